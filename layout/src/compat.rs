@@ -1,0 +1,229 @@
+//! Compatibility of a local and a remote cache layout: every mismatch, not just the first.
+
+use std::fmt;
+
+use crate::{CacheKind, CacheSpec, HeadSharding, Side, TpMapping};
+
+/// One side's cache and parallel layout, as exchanged in a handshake.
+#[derive(Debug, Clone, Copy)]
+pub struct SideLayout<'a> {
+    /// This rank's cache spec.
+    pub spec: &'a CacheSpec,
+    /// TP size of the side.
+    pub tp_size: u32,
+    /// KV heads of the whole model (ignored for MLA).
+    pub total_kv_heads: u32,
+    /// Layers of the whole model (a pipeline stage's spec holds fewer).
+    pub total_layers: u32,
+}
+
+/// A reason two layouts cannot exchange KV blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    /// A property both sides must share differs.
+    Field {
+        /// The property.
+        field: &'static str,
+        /// Local value.
+        local: String,
+        /// Remote value.
+        remote: String,
+    },
+    /// One side is inconsistent with itself (e.g. heads per rank vs TP).
+    Side {
+        /// `"local"` or `"remote"`.
+        side: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Field {
+                field,
+                local,
+                remote,
+            } => {
+                write!(f, "{field}: local {local}, remote {remote}")
+            }
+            Mismatch::Side { side, problem } => write!(f, "{side} side: {problem}"),
+        }
+    }
+}
+
+fn field<T: PartialEq + ToString>(
+    out: &mut Vec<Mismatch>,
+    name: &'static str,
+    local: T,
+    remote: T,
+) {
+    if local != remote {
+        out.push(Mismatch::Field {
+            field: name,
+            local: local.to_string(),
+            remote: remote.to_string(),
+        });
+    }
+}
+
+fn sharding(side: &SideLayout<'_>) -> HeadSharding {
+    if side.spec.kind() == CacheKind::Mla {
+        HeadSharding::Replicated
+    } else {
+        HeadSharding::Split {
+            total_kv_heads: side.total_kv_heads,
+        }
+    }
+}
+
+fn check_side(out: &mut Vec<Mismatch>, name: &'static str, side: &SideLayout<'_>) {
+    let spec = side.spec;
+    if spec.num_layers() > side.total_layers {
+        out.push(Mismatch::Side {
+            side: name,
+            problem: format!(
+                "holds {} layers of a {}-layer model",
+                spec.num_layers(),
+                side.total_layers
+            ),
+        });
+    }
+    // A TP of this size against itself validates divisibility and gives heads per rank.
+    match TpMapping::new(side.tp_size, side.tp_size, sharding(side)) {
+        Err(e) => out.push(Mismatch::Side {
+            side: name,
+            problem: e.to_string(),
+        }),
+        Ok(m) => {
+            if let Ok(heads) = m.heads_of(Side::Prefill, 0) {
+                if heads.count != spec.kv_heads() {
+                    out.push(Mismatch::Side {
+                        side: name,
+                        problem: format!(
+                            "{} KV heads per rank, but {} heads over TP {} give {}",
+                            spec.kv_heads(),
+                            side.total_kv_heads,
+                            side.tp_size,
+                            heads.count
+                        ),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Checks that two layouts can exchange blocks: Ok, or every mismatch found.
+pub fn check_compatible(
+    local: &SideLayout<'_>,
+    remote: &SideLayout<'_>,
+) -> Result<(), Vec<Mismatch>> {
+    let mut out = Vec::new();
+    let (l, r) = (local.spec, remote.spec);
+    field(&mut out, "cache kind", l.kind(), r.kind());
+    if l.kind() != CacheKind::Mla || r.kind() != CacheKind::Mla {
+        field(&mut out, "in-block order", l.order(), r.order());
+        field(
+            &mut out,
+            "total KV heads",
+            local.total_kv_heads,
+            remote.total_kv_heads,
+        );
+    }
+    field(&mut out, "dtype", l.dtype(), r.dtype());
+    field(&mut out, "head dim", l.head_dim(), r.head_dim());
+    field(
+        &mut out,
+        "tokens per block",
+        l.tokens_per_block(),
+        r.tokens_per_block(),
+    );
+    field(
+        &mut out,
+        "total layers",
+        local.total_layers,
+        remote.total_layers,
+    );
+    check_side(&mut out, "local", local);
+    check_side(&mut out, "remote", remote);
+    if out.is_empty() { Ok(()) } else { Err(out) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockOrder, CacheParams, Dtype};
+
+    fn spec(heads: u32, dtype: Dtype, tokens: u32) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: CacheKind::SplitKv,
+            order: BlockOrder::Hnd,
+            dtype,
+            num_layers: 32,
+            kv_heads: heads,
+            head_dim: 128,
+            tokens_per_block: tokens,
+            num_blocks: 100,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn compatible_hetero_tp() {
+        let (a, b) = (spec(8, Dtype::Bf16, 16), spec(4, Dtype::Bf16, 16));
+        let local = SideLayout {
+            spec: &b,
+            tp_size: 2,
+            total_kv_heads: 8,
+            total_layers: 32,
+        };
+        let remote = SideLayout {
+            spec: &a,
+            tp_size: 1,
+            total_kv_heads: 8,
+            total_layers: 32,
+        };
+        assert_eq!(check_compatible(&local, &remote), Ok(()));
+    }
+
+    #[test]
+    fn lists_every_mismatch() {
+        let (a, b) = (spec(8, Dtype::Bf16, 16), spec(3, Dtype::F16, 32));
+        let local = SideLayout {
+            spec: &a,
+            tp_size: 1,
+            total_kv_heads: 8,
+            total_layers: 32,
+        };
+        let remote = SideLayout {
+            spec: &b,
+            tp_size: 3,
+            total_kv_heads: 8,
+            total_layers: 40,
+        };
+        let errs = check_compatible(&local, &remote).unwrap_err();
+        let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        assert!(
+            text.iter()
+                .any(|t| t.starts_with("dtype: local bf16, remote f16")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.starts_with("tokens per block: local 16, remote 32")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter().any(|t| t.starts_with("total layers")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("remote side") && t.contains("not divisible")),
+            "{text:?}"
+        );
+        assert_eq!(errs.len(), 4, "{text:?}");
+    }
+}

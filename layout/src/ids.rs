@@ -1,0 +1,136 @@
+//! Descriptor ids for prepared (region, block) lists, numbered as the reference pull
+//! connector numbers them: `region * num_blocks + block`, and per-layer windows.
+
+use crate::error::in_range;
+use crate::{CacheKind, CacheSpec, LayoutError, Result};
+
+/// The regions of one layer: `[2l, 2l+1]` for split K/V, `[l]` otherwise.
+pub fn layer_regions(spec: &CacheSpec, layer: u32) -> Result<std::ops::Range<u32>> {
+    in_range(layer.into(), spec.num_layers().into(), "layer")?;
+    Ok(match spec.kind() {
+        CacheKind::SplitKv => layer * 2..layer * 2 + 2,
+        CacheKind::JointKv | CacheKind::Mla => layer..layer + 1,
+    })
+}
+
+/// The blocks a layer with attention window `window` (in blocks) transfers: the last
+/// `window` blocks of the request, or all of them when there is no window.
+pub fn windowed_blocks(block_ids: &[u32], window: Option<u32>) -> &[u32] {
+    match window {
+        Some(w) => {
+            let keep = (w as usize).min(block_ids.len());
+            &block_ids[block_ids.len() - keep..]
+        }
+        None => block_ids,
+    }
+}
+
+fn check_blocks(spec: &CacheSpec, block_ids: &[u32]) -> Result<()> {
+    let limit = spec.num_blocks();
+    match block_ids.iter().find(|&&b| b >= limit) {
+        Some(&b) => Err(LayoutError::OutOfRange {
+            what: "block",
+            index: b.into(),
+            limit: limit.into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn push_ids(out: &mut Vec<u64>, regions: std::ops::Range<u32>, num_blocks: u64, blocks: &[u32]) {
+    for region in regions {
+        let base = u64::from(region) * num_blocks;
+        out.extend(blocks.iter().map(|&b| base + u64::from(b)));
+    }
+}
+
+/// Descriptor ids of `block_ids` in every region (`layer == None`) or in the regions of
+/// one layer, region-major like the reference.
+pub fn descriptor_ids(spec: &CacheSpec, block_ids: &[u32], layer: Option<u32>) -> Result<Vec<u64>> {
+    check_blocks(spec, block_ids)?;
+    let regions = match layer {
+        Some(l) => layer_regions(spec, l)?,
+        None => 0..spec.num_regions(),
+    };
+    let mut out = Vec::with_capacity(regions.len() * block_ids.len());
+    push_ids(&mut out, regions, spec.num_blocks().into(), block_ids);
+    Ok(out)
+}
+
+/// Descriptor ids of every layer where layer `l` transfers only its window
+/// `windows[l]` (the last `w` blocks; `None` = all blocks). `windows` has one entry per layer.
+pub fn descriptor_ids_windowed(
+    spec: &CacheSpec,
+    block_ids: &[u32],
+    windows: &[Option<u32>],
+) -> Result<Vec<u64>> {
+    if windows.len() != spec.num_layers() as usize {
+        return Err(LayoutError::LengthMismatch {
+            what: "per-layer windows vs layers",
+            left: windows.len(),
+            right: spec.num_layers() as usize,
+        });
+    }
+    check_blocks(spec, block_ids)?;
+    let mut out = Vec::new();
+    for (layer, &window) in (0u32..).zip(windows) {
+        let blocks = windowed_blocks(block_ids, window);
+        push_ids(
+            &mut out,
+            layer_regions(spec, layer)?,
+            spec.num_blocks().into(),
+            blocks,
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockOrder, CacheParams, Dtype};
+
+    fn spec(kind: CacheKind, layers: u32, blocks: u32) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: layers,
+            kv_heads: 1,
+            head_dim: 4,
+            tokens_per_block: 2,
+            num_blocks: blocks,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn ids_match_reference_numbering() {
+        let s = spec(CacheKind::SplitKv, 2, 10);
+        // Regions K0, V0, K1, V1.
+        assert_eq!(
+            descriptor_ids(&s, &[3, 7], None).unwrap(),
+            vec![3, 7, 13, 17, 23, 27, 33, 37]
+        );
+        assert_eq!(
+            descriptor_ids(&s, &[3, 7], Some(1)).unwrap(),
+            vec![23, 27, 33, 37]
+        );
+        let j = spec(CacheKind::JointKv, 2, 10);
+        assert_eq!(descriptor_ids(&j, &[1], None).unwrap(), vec![1, 11]);
+        assert!(descriptor_ids(&s, &[10], None).is_err());
+        assert!(descriptor_ids(&s, &[1], Some(2)).is_err());
+        assert!(descriptor_ids(&s, &[], None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn windows_keep_last_blocks() {
+        assert_eq!(windowed_blocks(&[1, 2, 3, 4], Some(2)), &[3, 4]);
+        assert_eq!(windowed_blocks(&[1, 2], Some(5)), &[1, 2]);
+        assert_eq!(windowed_blocks(&[1, 2], Some(0)), &[] as &[u32]);
+        let s = spec(CacheKind::SplitKv, 2, 10);
+        let ids = descriptor_ids_windowed(&s, &[1, 2, 3], &[Some(1), None]).unwrap();
+        assert_eq!(ids, vec![3, 13, 21, 22, 23, 31, 32, 33]);
+        assert!(descriptor_ids_windowed(&s, &[1], &[None]).is_err());
+    }
+}

@@ -1,0 +1,38 @@
+//! # kvxfer-layout
+//!
+//! Pure byte-offset math for moving KV-cache blocks between a prefill and a decode engine:
+//! cache specs (split K/V, joint K/V, MLA; HND or NHD), descriptor ids as the reference
+//! pull connector numbers them, per-layer windows, tensor-parallel mapping in both
+//! directions (with replicated heads), pipeline-parallel stages, coalesced transfer plans
+//! and compatibility checks.
+//!
+//! No I/O, no `unsafe`, no threads. Every constructor validates its input and every
+//! computation on sizes or addresses is checked: bad parameters are a [`LayoutError`],
+//! never a panic.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod coalesce;
+mod compat;
+mod dtype;
+mod error;
+mod ids;
+mod plan;
+mod pp;
+mod spec;
+mod tp;
+
+pub use coalesce::{Descriptor, IndexRun, coalesce, group_contiguous, push_merging};
+pub use compat::{Mismatch, SideLayout, check_compatible};
+pub use dtype::Dtype;
+pub use error::{LayoutError, Result};
+pub use ids::{descriptor_ids, descriptor_ids_windowed, layer_regions, windowed_blocks};
+pub use plan::{
+    BlockPairs, CacheSide, DEFAULT_MAX_DESCRIPTORS, PlanOptions, TransferPlan, plan_transfer,
+};
+pub use pp::{LayerRange, PpSplit};
+pub use spec::{
+    BlockOrder, ByteRange, CacheKind, CacheParams, CacheSpec, MAX_DIM, Part, PartLocation,
+    StridedBytes,
+};
+pub use tp::{HeadRange, HeadSharding, HeadSlice, LinkKind, Side, TpLink, TpMapping};

@@ -1,0 +1,444 @@
+//! Transfer plans: the `(src, dst, len)` descriptors that move a request's blocks from
+//! one rank's cache to another's, coalesced to the fewest possible.
+
+use crate::coalesce::{coalesce, push_merging};
+use crate::error::{add, in_range, mul};
+use crate::{
+    BlockOrder, CacheKind, CacheSpec, Descriptor, HeadSlice, LayerRange, LayoutError, Part, Result,
+};
+
+/// Default bound on the descriptors one plan may hold (384 MiB of descriptors): a request
+/// asking for more is refused before anything is allocated.
+pub const DEFAULT_MAX_DESCRIPTORS: u64 = 1 << 24;
+
+/// One rank's cache as the planner sees it: a spec, the base address of each region, and
+/// the global layers the rank holds (a pipeline stage holds a subset).
+#[derive(Debug, Clone, Copy)]
+pub struct CacheSide<'a> {
+    spec: &'a CacheSpec,
+    bases: &'a [u64],
+    layers: LayerRange,
+}
+
+impl<'a> CacheSide<'a> {
+    /// Validates that there is one base per region, that no region wraps around the address
+    /// space, and that no two regions overlap. `first_layer` is the global index of the
+    /// spec's layer 0.
+    pub fn new(spec: &'a CacheSpec, bases: &'a [u64], first_layer: u32) -> Result<Self> {
+        if bases.len() != spec.num_regions() as usize {
+            return Err(LayoutError::LengthMismatch {
+                what: "region base addresses vs regions",
+                left: bases.len(),
+                right: spec.num_regions() as usize,
+            });
+        }
+        for &base in bases {
+            add(base, spec.region_len(), "region end address")?;
+        }
+        let mut order: Vec<usize> = (0..bases.len()).collect();
+        order.sort_unstable_by_key(|&i| bases[i]);
+        for w in order.windows(2) {
+            if bases[w[0]] + spec.region_len() > bases[w[1]] {
+                return Err(LayoutError::Overlap {
+                    what: "registered regions",
+                    first: w[0],
+                    second: w[1],
+                });
+            }
+        }
+        let end = first_layer.checked_add(spec.num_layers());
+        if end.is_none() {
+            return Err(LayoutError::Overflow {
+                what: "layer range",
+            });
+        }
+        Ok(CacheSide {
+            spec,
+            bases,
+            layers: LayerRange {
+                first: first_layer,
+                count: spec.num_layers(),
+            },
+        })
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &'a CacheSpec {
+        self.spec
+    }
+
+    /// Region base addresses.
+    pub fn bases(&self) -> &'a [u64] {
+        self.bases
+    }
+
+    /// Global layers held.
+    pub fn layers(&self) -> LayerRange {
+        self.layers
+    }
+
+    /// True when every byte of `[addr, addr + len)` lies in registered regions (a range
+    /// may span regions that are adjacent in memory, as coalesced descriptors do).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let mut regions: Vec<u64> = self.bases.to_vec();
+        regions.sort_unstable();
+        let mut covered = addr;
+        for base in regions {
+            if base <= covered && covered < base + self.spec.region_len() {
+                covered = base + self.spec.region_len();
+            }
+            if covered >= end {
+                return true;
+            }
+        }
+        len == 0
+            && self
+                .bases
+                .iter()
+                .any(|&b| addr >= b && addr <= b + self.spec.region_len())
+    }
+
+    /// Absolute address of `part` of a global layer's block, and the part's length.
+    fn part_base(&self, global_layer: u32, part: Part, block: u32) -> Result<u64> {
+        let loc = self.spec.locate(global_layer - self.layers.first, part)?;
+        Ok(self.bases[loc.region as usize]
+            + u64::from(block) * self.spec.block_len()
+            + loc.offset_in_block)
+    }
+}
+
+/// Which blocks a plan moves.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockPairs<'a> {
+    /// Source block ids.
+    pub src: &'a [u32],
+    /// Destination block ids, one per source block, each at most once.
+    pub dst: &'a [u32],
+    /// Optional attention window (in blocks) per global layer: a layer with window `w`
+    /// moves only the last `w` pairs. Indexed by global layer; must cover every layer moved.
+    pub windows: Option<&'a [Option<u32>]>,
+}
+
+/// Options of the planner.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanOptions {
+    /// Merge contiguous descriptors (on by default; off gives the raw per-block or
+    /// per-token descriptors, for comparison and tests).
+    pub coalesce: bool,
+    /// Refuse plans with more raw descriptors than this.
+    pub max_descriptors: u64,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            coalesce: true,
+            max_descriptors: DEFAULT_MAX_DESCRIPTORS,
+        }
+    }
+}
+
+/// A transfer plan.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TransferPlan {
+    /// The descriptors, ordered by destination address when coalesced.
+    pub descriptors: Vec<Descriptor>,
+    /// How many descriptors the plan has before coalescing.
+    pub raw_count: u64,
+    /// Bytes moved.
+    pub total_bytes: u64,
+}
+
+/// How one head slice sits inside one part of one block on both sides.
+#[derive(Debug, Clone, Copy)]
+enum Sweep {
+    /// One contiguous piece per block part.
+    Whole {
+        src_off: u64,
+        dst_off: u64,
+        len: u64,
+    },
+    /// One piece per token, `count` tokens.
+    Tokens {
+        src_off: u64,
+        dst_off: u64,
+        src_stride: u64,
+        dst_stride: u64,
+        len: u64,
+        count: u32,
+    },
+}
+
+impl Sweep {
+    fn pieces(&self) -> u64 {
+        match self {
+            Sweep::Whole { .. } => 1,
+            Sweep::Tokens { count, .. } => (*count).into(),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Sweep::Whole { len, .. } => *len,
+            // Bounded by the part length, checked in the spec.
+            Sweep::Tokens { len, count, .. } => len * u64::from(*count),
+        }
+    }
+}
+
+fn require_equal<T: PartialEq + std::fmt::Display>(
+    field: &'static str,
+    src: T,
+    dst: T,
+) -> Result<()> {
+    if src == dst {
+        Ok(())
+    } else {
+        Err(LayoutError::Mismatch {
+            field,
+            source_value: src.to_string(),
+            dest_value: dst.to_string(),
+        })
+    }
+}
+
+fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep> {
+    require_equal("cache kind", src.kind(), dst.kind())?;
+    require_equal("dtype", src.dtype(), dst.dtype())?;
+    require_equal("head dim", src.head_dim(), dst.head_dim())?;
+    require_equal(
+        "tokens per block",
+        src.tokens_per_block(),
+        dst.tokens_per_block(),
+    )?;
+    if src.kind() != CacheKind::Mla {
+        require_equal("in-block order", src.order(), dst.order())?;
+    }
+    if slice.count == 0 {
+        return Err(LayoutError::Zero {
+            field: "heads in slice",
+        });
+    }
+    for (first, heads, what) in [
+        (slice.src_first, src.kv_heads(), "source head slice end"),
+        (
+            slice.dst_first,
+            dst.kv_heads(),
+            "destination head slice end",
+        ),
+    ] {
+        let end = u64::from(first) + u64::from(slice.count);
+        if end > u64::from(heads) {
+            return Err(LayoutError::OutOfRange {
+                what,
+                index: end - 1,
+                limit: heads.into(),
+            });
+        }
+    }
+    let hb = src.head_token_bytes();
+    let tokens = u64::from(src.tokens_per_block());
+    let count = u64::from(slice.count);
+    // All products below are bounded by the part block length, already checked.
+    let sweep = if src.is_head_major() || src.kind() == CacheKind::Mla {
+        Sweep::Whole {
+            src_off: u64::from(slice.src_first) * tokens * hb,
+            dst_off: u64::from(slice.dst_first) * tokens * hb,
+            len: count * tokens * hb,
+        }
+    } else {
+        debug_assert_eq!(src.order(), BlockOrder::Nhd);
+        let len = count * hb;
+        let src_stride = u64::from(src.kv_heads()) * hb;
+        let dst_stride = u64::from(dst.kv_heads()) * hb;
+        if len == src_stride && len == dst_stride {
+            Sweep::Whole {
+                src_off: 0,
+                dst_off: 0,
+                len: len * tokens,
+            }
+        } else {
+            Sweep::Tokens {
+                src_off: u64::from(slice.src_first) * hb,
+                dst_off: u64::from(slice.dst_first) * hb,
+                src_stride,
+                dst_stride,
+                len,
+                count: src.tokens_per_block(),
+            }
+        }
+    };
+    Ok(sweep)
+}
+
+fn check_blocks(blocks: &[u32], limit: u32, what: &'static str) -> Result<()> {
+    for &b in blocks {
+        in_range(b.into(), limit.into(), what)?;
+    }
+    Ok(())
+}
+
+fn check_unique(blocks: &[u32], what: &'static str) -> Result<()> {
+    if blocks.windows(2).all(|w| w[0] < w[1]) {
+        return Ok(());
+    }
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(LayoutError::DuplicateBlock { what, block: w[0] }),
+        None => Ok(()),
+    }
+}
+
+/// The pairs a layer moves: the last `window` pairs, or all.
+fn layer_pairs(pairs: &BlockPairs<'_>, layer: u32) -> Result<std::ops::Range<usize>> {
+    let n = pairs.src.len();
+    let Some(windows) = pairs.windows else {
+        return Ok(0..n);
+    };
+    let window = windows.get(layer as usize).ok_or(LayoutError::OutOfRange {
+        what: "layer without a window entry",
+        index: layer.into(),
+        limit: windows.len() as u64,
+    })?;
+    Ok(match window {
+        Some(w) => n - (*w as usize).min(n)..n,
+        None => 0..n,
+    })
+}
+
+/// Plans moving the head slice `slice` of the given block pairs, for every layer both
+/// sides hold, from `src` to `dst`. Every descriptor lies inside both sides' regions.
+pub fn plan_transfer(
+    src: &CacheSide<'_>,
+    dst: &CacheSide<'_>,
+    slice: HeadSlice,
+    pairs: &BlockPairs<'_>,
+    options: PlanOptions,
+) -> Result<TransferPlan> {
+    let sweep = sweep_for(src.spec, dst.spec, slice)?;
+    if pairs.src.len() != pairs.dst.len() {
+        return Err(LayoutError::LengthMismatch {
+            what: "source vs destination blocks",
+            left: pairs.src.len(),
+            right: pairs.dst.len(),
+        });
+    }
+    check_blocks(pairs.src, src.spec.num_blocks(), "source block")?;
+    check_blocks(pairs.dst, dst.spec.num_blocks(), "destination block")?;
+    check_unique(pairs.dst, "destination blocks")?;
+    let first = src.layers.first.max(dst.layers.first);
+    let end = src.layers.end().min(dst.layers.end());
+    if first >= end {
+        return Err(LayoutError::Unsupported(format!(
+            "source layers {}..{} and destination layers {}..{} do not overlap",
+            src.layers.first,
+            src.layers.end(),
+            dst.layers.first,
+            dst.layers.end()
+        )));
+    }
+    let parts = src.spec.parts();
+    let mut units = 0u64;
+    for layer in first..end {
+        units = add(units, layer_pairs(pairs, layer)?.len() as u64, "plan size")?;
+    }
+    let units = mul(units, parts.len() as u64, "plan size")?;
+    let raw_count = mul(units, sweep.pieces(), "plan size")?;
+    if raw_count > options.max_descriptors {
+        return Err(LayoutError::TooLarge {
+            what: "descriptors in plan",
+            value: raw_count,
+            limit: options.max_descriptors,
+        });
+    }
+    let total_bytes = mul(units, sweep.bytes(), "plan bytes")?;
+    let mut out = Vec::with_capacity(raw_count as usize);
+    for layer in first..end {
+        let range = layer_pairs(pairs, layer)?;
+        let (sblocks, dblocks) = (&pairs.src[range.clone()], &pairs.dst[range]);
+        for &part in parts {
+            let sbase = src.part_base(layer, part, 0)?;
+            let dbase = dst.part_base(layer, part, 0)?;
+            emit(
+                &mut out,
+                sweep,
+                (sbase, src.spec.block_len(), sblocks),
+                (dbase, dst.spec.block_len(), dblocks),
+                options.coalesce,
+            );
+        }
+    }
+    if options.coalesce {
+        coalesce(&mut out);
+    }
+    Ok(TransferPlan {
+        descriptors: out,
+        raw_count,
+        total_bytes,
+    })
+}
+
+/// Emits the pieces of one (layer, part) for every block pair. Addresses cannot overflow:
+/// `CacheSide::new` checked every region end, and blocks and slices were range-checked.
+#[inline]
+fn emit(
+    out: &mut Vec<Descriptor>,
+    sweep: Sweep,
+    (sbase, sblock, sblocks): (u64, u64, &[u32]),
+    (dbase, dblock, dblocks): (u64, u64, &[u32]),
+    merge: bool,
+) {
+    for (&sb, &db) in sblocks.iter().zip(dblocks) {
+        let s = sbase + u64::from(sb) * sblock;
+        let d = dbase + u64::from(db) * dblock;
+        match sweep {
+            Sweep::Whole {
+                src_off,
+                dst_off,
+                len,
+            } => {
+                let desc = Descriptor {
+                    src: s + src_off,
+                    dst: d + dst_off,
+                    len,
+                };
+                if merge {
+                    push_merging(out, desc);
+                } else {
+                    out.push(desc);
+                }
+            }
+            Sweep::Tokens {
+                src_off,
+                dst_off,
+                src_stride,
+                dst_stride,
+                len,
+                count,
+            } => {
+                let (s, d) = (s + src_off, d + dst_off);
+                // Consecutive tokens of a slice never continue each other (the stride of at
+                // least one side exceeds the slice), so only the first may merge backwards.
+                let first = Descriptor {
+                    src: s,
+                    dst: d,
+                    len,
+                };
+                if merge {
+                    push_merging(out, first);
+                } else {
+                    out.push(first);
+                }
+                out.extend((1..u64::from(count)).map(|t| Descriptor {
+                    src: s + t * src_stride,
+                    dst: d + t * dst_stride,
+                    len,
+                }));
+            }
+        }
+    }
+}

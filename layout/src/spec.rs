@@ -1,0 +1,502 @@
+//! Cache specs: the shape of one rank's KV cache and the byte offsets inside it.
+//!
+//! A spec *describes* memory; it never allocates it. Regions are numbered the way the
+//! reference pull connector numbers them: split K/V gives `[K0, V0, K1, V1, ...]`, joint
+//! K/V and MLA give one region per layer.
+
+use std::fmt;
+
+use crate::error::{in_range, mul, nonzero};
+use crate::{Dtype, LayoutError, Result};
+
+/// Bound on layers, heads, head dim, tokens per block and TP sizes: far above any real
+/// model, low enough that products of a few of them never overflow before we check.
+pub const MAX_DIM: u32 = 1 << 20;
+
+/// How K and V are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheKind {
+    /// Separate K and V regions per layer (2 regions per layer).
+    SplitKv,
+    /// One region per layer; each block holds its K half, then its V half (FlashInfer).
+    JointKv,
+    /// Multi-head latent attention: one region per layer, one latent vector per token.
+    Mla,
+}
+
+impl fmt::Display for CacheKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheKind::SplitKv => "split-kv",
+            CacheKind::JointKv => "joint-kv",
+            CacheKind::Mla => "mla",
+        })
+    }
+}
+
+/// Order of the dimensions inside one block of one part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockOrder {
+    /// `[heads, tokens, head_dim]`: a head range of a block is contiguous.
+    Hnd,
+    /// `[tokens, heads, head_dim]`: a token's heads are contiguous.
+    Nhd,
+}
+
+impl fmt::Display for BlockOrder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BlockOrder::Hnd => "HND",
+            BlockOrder::Nhd => "NHD",
+        })
+    }
+}
+
+/// Which tensor of a layer: K, V, or the MLA latent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// Keys.
+    Key,
+    /// Values.
+    Value,
+    /// The MLA latent (the only part of an MLA layer).
+    Latent,
+}
+
+/// The parameters of a cache spec, all public so callers can build them literally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheParams {
+    /// Storage kind.
+    pub kind: CacheKind,
+    /// In-block dimension order (ignored for MLA, which has no head dimension).
+    pub order: BlockOrder,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Layers held by this rank.
+    pub num_layers: u32,
+    /// KV heads held by this rank (must be 1 for MLA).
+    pub kv_heads: u32,
+    /// Head dimension, or the latent dimension for MLA.
+    pub head_dim: u32,
+    /// Tokens per block (the page size).
+    pub tokens_per_block: u32,
+    /// Blocks per region.
+    pub num_blocks: u32,
+}
+
+/// A validated cache spec with its derived sizes. All accessors are infallible because
+/// [`CacheSpec::new`] proved every derived size fits in `u64`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheSpec {
+    params: CacheParams,
+    /// Bytes of one head of one token.
+    head_token_bytes: u64,
+    /// Bytes of one part (K, V or latent) of one block.
+    part_block_len: u64,
+    /// Bytes of one block of one region.
+    block_len: u64,
+    /// Bytes of one region.
+    region_len: u64,
+}
+
+/// A byte range relative to some base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ByteRange {
+    /// Offset of the first byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// `count` runs of `len` bytes, `stride` apart, starting at `offset` inside `region`.
+/// A token's bytes are one run in NHD and one run per head in HND.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StridedBytes {
+    /// The region the bytes live in.
+    pub region: u32,
+    /// Offset of the first run from the region's base.
+    pub offset: u64,
+    /// Length of each run.
+    pub len: u64,
+    /// Number of runs.
+    pub count: u32,
+    /// Distance between the starts of consecutive runs.
+    pub stride: u64,
+}
+
+/// Where a part of a layer lives: its region and the part's offset inside each block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PartLocation {
+    /// Region index.
+    pub region: u32,
+    /// Offset of the part inside a block of that region (V of a joint block: half a block).
+    pub offset_in_block: u64,
+}
+
+impl CacheSpec {
+    /// Validates the parameters and computes derived sizes with checked arithmetic.
+    pub fn new(params: CacheParams) -> Result<Self> {
+        let dims = [
+            (params.num_layers, "num_layers"),
+            (params.kv_heads, "kv_heads"),
+            (params.head_dim, "head_dim"),
+            (params.tokens_per_block, "tokens_per_block"),
+        ];
+        for (value, field) in dims {
+            nonzero(value.into(), field)?;
+            if value > MAX_DIM {
+                return Err(LayoutError::TooLarge {
+                    what: field,
+                    value: value.into(),
+                    limit: MAX_DIM.into(),
+                });
+            }
+        }
+        nonzero(params.num_blocks.into(), "num_blocks")?;
+        if params.kind == CacheKind::Mla && params.kv_heads != 1 {
+            return Err(LayoutError::Unsupported(format!(
+                "an MLA cache has one latent per token, so kv_heads must be 1 (got {})",
+                params.kv_heads
+            )));
+        }
+        let head_token_bytes = mul(params.head_dim.into(), params.dtype.width(), "head bytes")?;
+        let token_bytes = mul(head_token_bytes, params.kv_heads.into(), "token bytes")?;
+        let part_block_len = mul(
+            token_bytes,
+            params.tokens_per_block.into(),
+            "part block length",
+        )?;
+        let parts_per_block = if params.kind == CacheKind::JointKv {
+            2
+        } else {
+            1
+        };
+        let block_len = mul(part_block_len, parts_per_block, "block length")?;
+        let region_len = mul(block_len, params.num_blocks.into(), "region length")?;
+        let spec = CacheSpec {
+            params,
+            head_token_bytes,
+            part_block_len,
+            block_len,
+            region_len,
+        };
+        // The whole cache must be addressable too.
+        mul(region_len, spec.num_regions().into(), "cache size")?;
+        Ok(spec)
+    }
+
+    /// The parameters this spec was built from.
+    pub fn params(&self) -> &CacheParams {
+        &self.params
+    }
+
+    /// Storage kind.
+    pub fn kind(&self) -> CacheKind {
+        self.params.kind
+    }
+
+    /// In-block order (MLA reports its given order but has no head dimension).
+    pub fn order(&self) -> BlockOrder {
+        self.params.order
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> Dtype {
+        self.params.dtype
+    }
+
+    /// Layers held.
+    pub fn num_layers(&self) -> u32 {
+        self.params.num_layers
+    }
+
+    /// KV heads held (1 for MLA).
+    pub fn kv_heads(&self) -> u32 {
+        self.params.kv_heads
+    }
+
+    /// Head (or latent) dimension.
+    pub fn head_dim(&self) -> u32 {
+        self.params.head_dim
+    }
+
+    /// Tokens per block.
+    pub fn tokens_per_block(&self) -> u32 {
+        self.params.tokens_per_block
+    }
+
+    /// Blocks per region.
+    pub fn num_blocks(&self) -> u32 {
+        self.params.num_blocks
+    }
+
+    /// Number of regions: `2 * layers` for split K/V, `layers` otherwise.
+    pub fn num_regions(&self) -> u32 {
+        match self.params.kind {
+            // num_layers <= MAX_DIM, so doubling cannot overflow.
+            CacheKind::SplitKv => self.params.num_layers * 2,
+            CacheKind::JointKv | CacheKind::Mla => self.params.num_layers,
+        }
+    }
+
+    /// The parts of every layer: `[Key, Value]`, or `[Latent]` for MLA.
+    pub fn parts(&self) -> &'static [Part] {
+        match self.params.kind {
+            CacheKind::Mla => &[Part::Latent],
+            CacheKind::SplitKv | CacheKind::JointKv => &[Part::Key, Part::Value],
+        }
+    }
+
+    /// Bytes of one block of one region (`block_len` in the reference).
+    pub fn block_len(&self) -> u64 {
+        self.block_len
+    }
+
+    /// Bytes of one part (K, V or latent) of one block.
+    pub fn part_block_len(&self) -> u64 {
+        self.part_block_len
+    }
+
+    /// Bytes of one head of one token.
+    pub fn head_token_bytes(&self) -> u64 {
+        self.head_token_bytes
+    }
+
+    /// Bytes one token slot occupies in one block of one region (K and V together for joint).
+    pub fn token_slot_bytes(&self) -> u64 {
+        // Exact: block_len is a multiple of tokens_per_block by construction.
+        self.block_len / u64::from(self.params.tokens_per_block)
+    }
+
+    /// Bytes of one region: `num_blocks * block_len`.
+    pub fn region_len(&self) -> u64 {
+        self.region_len
+    }
+
+    /// Bytes of all regions together.
+    pub fn total_bytes(&self) -> u64 {
+        // Checked in `new`.
+        self.region_len * u64::from(self.num_regions())
+    }
+
+    /// Where `part` of `layer` lives.
+    pub fn locate(&self, layer: u32, part: Part) -> Result<PartLocation> {
+        in_range(layer.into(), self.params.num_layers.into(), "layer")?;
+        let (region, offset_in_block) = match (self.params.kind, part) {
+            (CacheKind::SplitKv, Part::Key) => (layer * 2, 0),
+            (CacheKind::SplitKv, Part::Value) => (layer * 2 + 1, 0),
+            (CacheKind::JointKv, Part::Key) => (layer, 0),
+            (CacheKind::JointKv, Part::Value) => (layer, self.part_block_len),
+            (CacheKind::Mla, Part::Latent) => (layer, 0),
+            (kind, part) => {
+                return Err(LayoutError::Unsupported(format!(
+                    "a {kind} cache has no {part:?} part"
+                )));
+            }
+        };
+        Ok(PartLocation {
+            region,
+            offset_in_block,
+        })
+    }
+
+    /// Byte range of `block` inside `region`, relative to the region's base.
+    pub fn block_range(&self, region: u32, block: u32) -> Result<ByteRange> {
+        in_range(region.into(), self.num_regions().into(), "region")?;
+        in_range(block.into(), self.params.num_blocks.into(), "block")?;
+        Ok(ByteRange {
+            offset: u64::from(block) * self.block_len,
+            len: self.block_len,
+        })
+    }
+
+    /// The bytes of one token of one part of one block: one run in NHD (and MLA), one run
+    /// per head in HND.
+    pub fn token_bytes(
+        &self,
+        layer: u32,
+        part: Part,
+        block: u32,
+        token: u32,
+    ) -> Result<StridedBytes> {
+        let loc = self.locate(layer, part)?;
+        in_range(block.into(), self.params.num_blocks.into(), "block")?;
+        in_range(token.into(), self.params.tokens_per_block.into(), "token")?;
+        let part_base = u64::from(block) * self.block_len + loc.offset_in_block;
+        let token = u64::from(token);
+        let heads = self.params.kv_heads;
+        let bytes = if self.is_head_major() {
+            StridedBytes {
+                region: loc.region,
+                offset: part_base + token * self.head_token_bytes,
+                len: self.head_token_bytes,
+                count: heads,
+                stride: self.head_token_bytes * u64::from(self.params.tokens_per_block),
+            }
+        } else {
+            let len = self.head_token_bytes * u64::from(heads);
+            StridedBytes {
+                region: loc.region,
+                offset: part_base + token * len,
+                len,
+                count: 1,
+                stride: len,
+            }
+        };
+        Ok(bytes)
+    }
+
+    /// Byte range of one head of one token, always contiguous.
+    pub fn head_token_range(
+        &self,
+        layer: u32,
+        part: Part,
+        block: u32,
+        token: u32,
+        head: u32,
+    ) -> Result<(u32, ByteRange)> {
+        in_range(head.into(), self.params.kv_heads.into(), "head")?;
+        let t = self.token_bytes(layer, part, block, token)?;
+        let offset = if self.is_head_major() {
+            t.offset + u64::from(head) * t.stride
+        } else {
+            t.offset + u64::from(head) * self.head_token_bytes
+        };
+        let range = ByteRange {
+            offset,
+            len: self.head_token_bytes,
+        };
+        Ok((t.region, range))
+    }
+
+    /// True when heads are the outer in-block dimension (HND with more than one head).
+    /// MLA and single-head caches behave the same in both orders.
+    pub(crate) fn is_head_major(&self) -> bool {
+        self.params.order == BlockOrder::Hnd && self.params.kind != CacheKind::Mla
+    }
+}
+
+impl fmt::Display for CacheSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.params;
+        write!(
+            f,
+            "{} {} {} layers={} kv_heads={} head_dim={} tokens/block={} blocks={}",
+            p.kind,
+            p.order,
+            p.dtype,
+            p.num_layers,
+            p.kv_heads,
+            p.head_dim,
+            p.tokens_per_block,
+            p.num_blocks
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn llama8b(kind: CacheKind, order: BlockOrder) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind,
+            order,
+            dtype: Dtype::Bf16,
+            num_layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            tokens_per_block: 16,
+            num_blocks: 256,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn llama_8b_sizes_match_reference() {
+        let s = llama8b(CacheKind::SplitKv, BlockOrder::Hnd);
+        assert_eq!(s.num_regions(), 64);
+        assert_eq!(s.block_len(), 16 * 8 * 128 * 2); // 32 KiB, the peer script's block_len
+        assert_eq!(s.region_len(), 256 * 32768);
+        assert_eq!(s.token_slot_bytes(), 2048);
+        let j = llama8b(CacheKind::JointKv, BlockOrder::Nhd);
+        assert_eq!(j.num_regions(), 32);
+        assert_eq!(j.block_len(), 2 * 32768);
+        assert_eq!(j.locate(3, Part::Value).unwrap().offset_in_block, 32768);
+    }
+
+    #[test]
+    fn mla_shape() {
+        let s = CacheSpec::new(CacheParams {
+            kind: CacheKind::Mla,
+            order: BlockOrder::Nhd,
+            dtype: Dtype::Bf16,
+            num_layers: 61,
+            kv_heads: 1,
+            head_dim: 576,
+            tokens_per_block: 64,
+            num_blocks: 10,
+        })
+        .unwrap();
+        assert_eq!(s.num_regions(), 61);
+        assert_eq!(s.block_len(), 64 * 576 * 2);
+        assert!(s.locate(0, Part::Key).is_err());
+        let mut p = *s.params();
+        p.kv_heads = 2;
+        assert!(matches!(
+            CacheSpec::new(p),
+            Err(LayoutError::Unsupported(_))
+        ));
+    }
+
+    #[test]
+    fn token_bytes_hnd_vs_nhd() {
+        let h = llama8b(CacheKind::SplitKv, BlockOrder::Hnd);
+        let t = h.token_bytes(1, Part::Value, 2, 3).unwrap();
+        assert_eq!(t.region, 3);
+        assert_eq!(
+            (t.offset, t.len, t.count, t.stride),
+            (2 * 32768 + 3 * 256, 256, 8, 16 * 256)
+        );
+        let n = llama8b(CacheKind::SplitKv, BlockOrder::Nhd);
+        let t = n.token_bytes(1, Part::Value, 2, 3).unwrap();
+        assert_eq!((t.offset, t.len, t.count), (2 * 32768 + 3 * 2048, 2048, 1));
+        let (_, r) = n.head_token_range(1, Part::Key, 0, 1, 7).unwrap();
+        assert_eq!(
+            r,
+            ByteRange {
+                offset: 2048 + 7 * 256,
+                len: 256
+            }
+        );
+        assert!(n.token_bytes(32, Part::Key, 0, 0).is_err());
+        assert!(n.token_bytes(0, Part::Key, 256, 0).is_err());
+        assert!(n.token_bytes(0, Part::Key, 0, 16).is_err());
+        assert!(n.head_token_range(0, Part::Key, 0, 0, 8).is_err());
+    }
+
+    #[test]
+    fn bad_params_are_typed_errors() {
+        let mut p = *llama8b(CacheKind::SplitKv, BlockOrder::Hnd).params();
+        p.num_blocks = 0;
+        assert_eq!(
+            CacheSpec::new(p),
+            Err(LayoutError::Zero {
+                field: "num_blocks"
+            })
+        );
+        p.num_blocks = u32::MAX;
+        p.head_dim = MAX_DIM;
+        p.kv_heads = MAX_DIM;
+        p.dtype = Dtype::F32;
+        assert!(matches!(
+            CacheSpec::new(p),
+            Err(LayoutError::Overflow { .. })
+        ));
+        p.kv_heads = MAX_DIM + 1;
+        assert!(matches!(
+            CacheSpec::new(p),
+            Err(LayoutError::TooLarge { .. })
+        ));
+    }
+}
