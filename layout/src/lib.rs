@@ -29,6 +29,7 @@ pub use error::{LayoutError, Result};
 pub use ids::{descriptor_ids, descriptor_ids_windowed, layer_regions, windowed_blocks};
 pub use plan::{
     BlockPairs, CacheSide, DEFAULT_MAX_DESCRIPTORS, PlanOptions, TransferPlan, plan_transfer,
+    plan_transfer_into,
 };
 pub use pp::{LayerRange, PpSplit};
 pub use spec::{

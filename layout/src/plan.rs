@@ -319,6 +319,24 @@ pub fn plan_transfer(
     pairs: &BlockPairs<'_>,
     options: PlanOptions,
 ) -> Result<TransferPlan> {
+    let mut plan = TransferPlan::default();
+    plan_transfer_into(src, dst, slice, pairs, options, &mut plan)?;
+    Ok(plan)
+}
+
+/// Like [`plan_transfer`], reusing `plan`'s descriptor buffer (connectors keep one per peer,
+/// so steady-state planning allocates nothing). On error `plan` is left empty.
+pub fn plan_transfer_into(
+    src: &CacheSide<'_>,
+    dst: &CacheSide<'_>,
+    slice: HeadSlice,
+    pairs: &BlockPairs<'_>,
+    options: PlanOptions,
+    plan: &mut TransferPlan,
+) -> Result<()> {
+    plan.descriptors.clear();
+    plan.raw_count = 0;
+    plan.total_bytes = 0;
     let sweep = sweep_for(src.spec, dst.spec, slice)?;
     if pairs.src.len() != pairs.dst.len() {
         return Err(LayoutError::LengthMismatch {
@@ -356,88 +374,102 @@ pub fn plan_transfer(
         });
     }
     let total_bytes = mul(units, sweep.bytes(), "plan bytes")?;
-    let mut out = Vec::with_capacity(raw_count as usize);
+    plan.descriptors.reserve(raw_count as usize);
+    let mut emitter = Emitter {
+        out: &mut plan.descriptors,
+        merge: options.coalesce,
+        sorted: true,
+    };
     for layer in first..end {
         let range = layer_pairs(pairs, layer)?;
         let (sblocks, dblocks) = (&pairs.src[range.clone()], &pairs.dst[range]);
         for &part in parts {
             let sbase = src.part_base(layer, part, 0)?;
             let dbase = dst.part_base(layer, part, 0)?;
-            emit(
-                &mut out,
+            emitter.emit(
                 sweep,
                 (sbase, src.spec.block_len(), sblocks),
                 (dbase, dst.spec.block_len(), dblocks),
-                options.coalesce,
             );
         }
     }
-    if options.coalesce {
-        coalesce(&mut out);
+    // Emitted in destination order, every neighbour pair was already offered a merge, so
+    // the list is minimal; otherwise order it and merge again.
+    if options.coalesce && !emitter.sorted {
+        coalesce(&mut plan.descriptors);
     }
-    Ok(TransferPlan {
-        descriptors: out,
-        raw_count,
-        total_bytes,
-    })
+    plan.raw_count = raw_count;
+    plan.total_bytes = total_bytes;
+    Ok(())
 }
 
-/// Emits the pieces of one (layer, part) for every block pair. Addresses cannot overflow:
-/// `CacheSide::new` checked every region end, and blocks and slices were range-checked.
-#[inline]
-fn emit(
-    out: &mut Vec<Descriptor>,
-    sweep: Sweep,
-    (sbase, sblock, sblocks): (u64, u64, &[u32]),
-    (dbase, dblock, dblocks): (u64, u64, &[u32]),
+/// Appends descriptors, merging when asked, and notes whether they stay in destination order.
+struct Emitter<'a> {
+    out: &'a mut Vec<Descriptor>,
     merge: bool,
-) {
-    for (&sb, &db) in sblocks.iter().zip(dblocks) {
-        let s = sbase + u64::from(sb) * sblock;
-        let d = dbase + u64::from(db) * dblock;
-        match sweep {
-            Sweep::Whole {
-                src_off,
-                dst_off,
-                len,
-            } => {
-                let desc = Descriptor {
-                    src: s + src_off,
-                    dst: d + dst_off,
+    sorted: bool,
+}
+
+impl Emitter<'_> {
+    /// Appends the first piece of a block; later pieces of the same block follow in
+    /// ascending destination order and never continue each other.
+    #[inline]
+    fn push_first(&mut self, desc: Descriptor) {
+        if let Some(last) = self.out.last() {
+            self.sorted &= last.dst < desc.dst;
+        }
+        if self.merge {
+            push_merging(self.out, desc);
+        } else {
+            self.out.push(desc);
+        }
+    }
+
+    /// Emits the pieces of one (layer, part) for every block pair. Addresses cannot
+    /// overflow: `CacheSide::new` checked every region end, and blocks and slices were
+    /// range-checked.
+    #[inline]
+    fn emit(
+        &mut self,
+        sweep: Sweep,
+        (sbase, sblock, sblocks): (u64, u64, &[u32]),
+        (dbase, dblock, dblocks): (u64, u64, &[u32]),
+    ) {
+        for (&sb, &db) in sblocks.iter().zip(dblocks) {
+            let s = sbase + u64::from(sb) * sblock;
+            let d = dbase + u64::from(db) * dblock;
+            match sweep {
+                Sweep::Whole {
+                    src_off,
+                    dst_off,
                     len,
-                };
-                if merge {
-                    push_merging(out, desc);
-                } else {
-                    out.push(desc);
+                } => {
+                    self.push_first(Descriptor {
+                        src: s + src_off,
+                        dst: d + dst_off,
+                        len,
+                    });
                 }
-            }
-            Sweep::Tokens {
-                src_off,
-                dst_off,
-                src_stride,
-                dst_stride,
-                len,
-                count,
-            } => {
-                let (s, d) = (s + src_off, d + dst_off);
-                // Consecutive tokens of a slice never continue each other (the stride of at
-                // least one side exceeds the slice), so only the first may merge backwards.
-                let first = Descriptor {
-                    src: s,
-                    dst: d,
+                Sweep::Tokens {
+                    src_off,
+                    dst_off,
+                    src_stride,
+                    dst_stride,
                     len,
-                };
-                if merge {
-                    push_merging(out, first);
-                } else {
-                    out.push(first);
+                    count,
+                } => {
+                    let (s, d) = (s + src_off, d + dst_off);
+                    self.push_first(Descriptor {
+                        src: s,
+                        dst: d,
+                        len,
+                    });
+                    self.out.extend((1..u64::from(count)).map(|t| Descriptor {
+                        src: s + t * src_stride,
+                        dst: d + t * dst_stride,
+                        len,
+                    }));
                 }
-                out.extend((1..u64::from(count)).map(|t| Descriptor {
-                    src: s + t * src_stride,
-                    dst: d + t * dst_stride,
-                    len,
-                }));
             }
         }
     }
