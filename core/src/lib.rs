@@ -1,1 +1,14 @@
-//! placeholder
+//! # kvxfer-core
+//!
+//! The transport contract every kvxfer transport implements ([`transport`]), and, as they
+//! land, the wire formats and the pull and push connectors built on it. Transport-agnostic:
+//! byte offsets come from `kvxfer-layout`, bytes move through a [`transport::Transport`].
+#![warn(missing_docs)]
+
+pub mod plan;
+pub mod transport;
+
+pub use transport::{
+    AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Registration,
+    Transport, TransportError, TransportResult, XferId, XferStatus,
+};

@@ -1,1 +1,9 @@
-//! placeholder
+//! # kvxfer-tests
+//!
+//! The conformance suite every kvxfer transport must pass ([`conformance`]), with host test
+//! buffers that check guard bytes ([`memory`]). Each transport runs it through
+//! [`conformance_suite!`]; end-to-end connector scenarios live here too as they land.
+#![warn(missing_docs)]
+
+pub mod conformance;
+pub mod memory;
