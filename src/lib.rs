@@ -7,6 +7,8 @@
 
 pub mod inspect;
 pub mod models;
+pub mod transports;
 
 pub use kvxfer_core as core;
 pub use kvxfer_layout as layout;
+pub use transports::{AnyTransport, TransportKind, open};

@@ -7,6 +7,8 @@
 #![warn(missing_docs)]
 
 mod agent;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod faults;
 mod metadata;
 mod pool;
@@ -127,7 +129,7 @@ impl LoopbackTransport {
     fn check_kind(&self, kind: MemoryKind) -> TransportResult<()> {
         match kind {
             MemoryKind::Host => Ok(()),
-            MemoryKind::Gpu { .. } => Err(gpu_unavailable()),
+            MemoryKind::Gpu { device } => check_gpu(device),
         }
     }
 
@@ -277,8 +279,13 @@ impl LoopbackTransport {
         });
         let bounds = job_bounds(&pairs, self.pool.workers(), self.config.min_job_bytes);
         let jobs = bounds.len().max(1);
+        let device = match kinds {
+            (MemoryKind::Gpu { device }, _) | (_, MemoryKind::Gpu { device }) => Some(device),
+            _ => None,
+        };
         let x = XferState::new(
             pairs,
+            device,
             jobs,
             pins,
             note,
@@ -332,14 +339,36 @@ fn job_bounds(pairs: &[CopyPair], workers: usize, min_bytes: u64) -> Vec<(usize,
     out
 }
 
-fn gpu_unavailable() -> TransportError {
-    TransportError::NotAvailable {
-        what: "GPU memory on the loopback transport".into(),
-        reason: if cfg!(feature = "cuda") {
-            "no CUDA driver or device was found".into()
-        } else {
-            "built without the `cuda` feature".into()
-        },
+/// GPU memory is usable when built with `cuda` and a driver and the device exist.
+fn check_gpu(device: u32) -> TransportResult<()> {
+    let unavailable = |reason: String| TransportError::NotAvailable {
+        what: format!("GPU memory (device {device}) on the loopback transport"),
+        reason,
+    };
+    #[cfg(feature = "cuda")]
+    {
+        match cuda::available() {
+            Ok(count) if device < count => Ok(()),
+            Ok(count) => Err(unavailable(format!(
+                "this machine has {count} CUDA device(s)"
+            ))),
+            Err(reason) => Err(unavailable(reason)),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(unavailable("built without the `cuda` feature".into()))
+    }
+}
+
+fn gpu_supported() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::available().is_ok()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
     }
 }
 
@@ -358,7 +387,7 @@ impl Transport for LoopbackTransport {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             host_memory: true,
-            gpu_memory: false,
+            gpu_memory: gpu_supported(),
             read: true,
             write: true,
             notifications: true,

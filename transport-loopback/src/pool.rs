@@ -74,15 +74,39 @@ fn run(job: &Job) {
         x.fail("peer vanished during the transfer");
     }
     if !x.has_failed() {
-        for p in &x.pairs[job.start..job.end] {
-            // SAFETY: every pair was validated at post time to lie inside a region registered
-            // (by us or the peer) as host memory, and those regions are pinned by the transfer
-            // until all its jobs are done: deregistration waits for the pins, and registrants
-            // promise the memory stays valid until deregistration. `copy` tolerates overlap.
-            unsafe {
-                std::ptr::copy(p.src as *const u8, p.dst as *mut u8, p.len as usize);
+        match x.device {
+            None => {
+                for p in &x.pairs[job.start..job.end] {
+                    // SAFETY: every pair was validated at post time to lie inside a region
+                    // registered (by us or the peer) as host memory, and those regions are
+                    // pinned by the transfer until all its jobs are done: deregistration
+                    // waits for the pins, and registrants promise the memory stays valid
+                    // until deregistration. `copy` tolerates overlap.
+                    unsafe {
+                        std::ptr::copy(p.src as *const u8, p.dst as *mut u8, p.len as usize);
+                    }
+                }
             }
+            Some(device) => gpu_copy(job, device),
         }
     }
     x.job_done();
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_copy(job: &Job, device: u32) {
+    for p in &job.xfer.pairs[job.start..job.end] {
+        // SAFETY: as for host copies, both ranges lie in pinned registered regions.
+        if let Err(e) = unsafe { crate::cuda::contexts().copy(device, p.dst, p.src, p.len) } {
+            job.xfer.fail(e);
+            return;
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_copy(job: &Job, _device: u32) {
+    // Unreachable in practice: GPU memory cannot be registered without the feature.
+    job.xfer
+        .fail("GPU copy requested in a build without the `cuda` feature");
 }

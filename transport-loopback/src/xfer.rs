@@ -31,6 +31,8 @@ pub struct PendingNotification {
 #[derive(Debug)]
 pub struct XferState {
     pub pairs: Vec<CopyPair>,
+    /// The CUDA device whose context copies run in, when either side is GPU memory.
+    pub device: Option<u32>,
     /// Jobs not yet finished.
     remaining: AtomicUsize,
     state: AtomicU8,
@@ -45,6 +47,7 @@ pub struct XferState {
 impl XferState {
     pub fn new(
         pairs: Vec<CopyPair>,
+        device: Option<u32>,
         jobs: usize,
         pins: Vec<Pin>,
         notification: Option<PendingNotification>,
@@ -53,6 +56,7 @@ impl XferState {
     ) -> Arc<Self> {
         Arc::new(XferState {
             pairs,
+            device,
             remaining: AtomicUsize::new(jobs),
             state: AtomicU8::new(IN_PROGRESS),
             error: Mutex::new(None),
@@ -67,6 +71,7 @@ impl XferState {
     pub fn failed(reason: String) -> Arc<Self> {
         let x = XferState::new(
             Vec::new(),
+            None,
             0,
             Vec::new(),
             None,

@@ -1,0 +1,29 @@
+//! The conformance suite through the facade's `AnyTransport` (loopback inside).
+
+use kvxfer::{AnyTransport, TransportKind, open};
+use kvxfer_tests::conformance::TransportFactory;
+
+struct Facade;
+
+impl TransportFactory for Facade {
+    type T = AnyTransport;
+
+    fn label(&self) -> String {
+        "facade/loopback".into()
+    }
+
+    fn create(&self, name: &str) -> AnyTransport {
+        open(TransportKind::Loopback, name).expect("loopback through the facade")
+    }
+
+    fn inject_failures(&self, t: &AnyTransport, n: usize) -> bool {
+        match t {
+            AnyTransport::Loopback(l) => {
+                l.faults().fail_next_transfers(n);
+                true
+            }
+        }
+    }
+}
+
+kvxfer_tests::conformance_suite!(Facade);
