@@ -135,7 +135,7 @@ pub fn report(c: &InspectConfig) -> Result<String, LayoutError> {
             "  from prefill rank {}: {} raw descriptors -> {} coalesced, {} bytes",
             link.prefill_rank,
             plan.raw_count,
-            plan.descriptors.len(),
+            plan.descriptors().len(),
             plan.total_bytes
         );
     }

@@ -8,14 +8,12 @@ use crate::transport::{AddrRange, Op};
 /// transfer posted by `op`: a READ's local side is the destination, a WRITE's the source.
 pub fn split_for(
     op: Op,
-    descs: &[Descriptor],
+    descs: impl IntoIterator<Item = Descriptor>,
     local: &mut Vec<AddrRange>,
     remote: &mut Vec<AddrRange>,
 ) {
     local.clear();
     remote.clear();
-    local.reserve(descs.len());
-    remote.reserve(descs.len());
     for d in descs {
         let (src, dst) = (AddrRange::new(d.src, d.len), AddrRange::new(d.dst, d.len));
         let (l, r) = match op {
@@ -39,9 +37,9 @@ mod tests {
             len: 5,
         }];
         let (mut l, mut r) = (Vec::new(), Vec::new());
-        split_for(Op::Read, &d, &mut l, &mut r);
+        split_for(Op::Read, d, &mut l, &mut r);
         assert_eq!((l[0].addr, r[0].addr), (20, 10));
-        split_for(Op::Write, &d, &mut l, &mut r);
+        split_for(Op::Write, d, &mut l, &mut r);
         assert_eq!((l[0].addr, r[0].addr), (10, 20));
     }
 }

@@ -83,7 +83,7 @@ fn nhd_hetero(c: &mut Criterion) {
         eprintln!(
             "nhd_hetero_tp/{name}: raw descriptors {}, after coalescing {}, bytes {}",
             plan.raw_count,
-            plan.descriptors.len(),
+            plan.descriptors().len(),
             plan.total_bytes
         );
         group.bench_function(name, |b| {

@@ -1,7 +1,7 @@
 //! Transfer plans: the `(src, dst, len)` descriptors that move a request's blocks from
 //! one rank's cache to another's, coalesced to the fewest possible.
 
-use crate::coalesce::{coalesce, push_merging};
+use crate::coalesce::coalesce;
 use crate::error::{add, in_range, mul};
 use crate::{
     BlockOrder, CacheKind, CacheSpec, Descriptor, HeadSlice, LayerRange, LayoutError, Part, Result,
@@ -141,15 +141,170 @@ impl Default for PlanOptions {
     }
 }
 
-/// A transfer plan.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// Descriptor lengths of a plan: one length for all (the common case, and what lets a
+/// 131,072-descriptor plan stay in cache), or one per descriptor once merges made them differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Lens {
+    Uniform(u64),
+    Each(Vec<u64>),
+}
+
+/// A transfer plan, stored as parallel arrays of source and destination addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPlan {
-    /// The descriptors, ordered by destination address when coalesced.
-    pub descriptors: Vec<Descriptor>,
+    src: Vec<u64>,
+    dst: Vec<u64>,
+    lens: Lens,
     /// How many descriptors the plan has before coalescing.
     pub raw_count: u64,
     /// Bytes moved.
     pub total_bytes: u64,
+}
+
+impl Default for TransferPlan {
+    fn default() -> Self {
+        TransferPlan {
+            src: Vec::new(),
+            dst: Vec::new(),
+            lens: Lens::Uniform(0),
+            raw_count: 0,
+            total_bytes: 0,
+        }
+    }
+}
+
+impl TransferPlan {
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.src.len()
+    }
+
+    /// True when the plan moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.src.is_empty()
+    }
+
+    /// Source addresses, one per descriptor.
+    pub fn src_addrs(&self) -> &[u64] {
+        &self.src
+    }
+
+    /// Destination addresses, one per descriptor.
+    pub fn dst_addrs(&self) -> &[u64] {
+        &self.dst
+    }
+
+    /// The length shared by every descriptor, when they all have the same one.
+    pub fn uniform_len(&self) -> Option<u64> {
+        match self.lens {
+            Lens::Uniform(l) => Some(l),
+            Lens::Each(_) => None,
+        }
+    }
+
+    /// Length of descriptor `i`.
+    pub fn len_of(&self, i: usize) -> u64 {
+        match &self.lens {
+            Lens::Uniform(l) => *l,
+            Lens::Each(v) => v[i],
+        }
+    }
+
+    /// Descriptor `i`.
+    pub fn get(&self, i: usize) -> Option<Descriptor> {
+        Some(Descriptor {
+            src: *self.src.get(i)?,
+            dst: self.dst[i],
+            len: self.len_of(i),
+        })
+    }
+
+    /// The descriptors in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = Descriptor> + '_ {
+        (0..self.len()).map(|i| Descriptor {
+            src: self.src[i],
+            dst: self.dst[i],
+            len: self.len_of(i),
+        })
+    }
+
+    /// The descriptors as a vector.
+    pub fn descriptors(&self) -> Vec<Descriptor> {
+        self.iter().collect()
+    }
+
+    fn clear(&mut self) {
+        self.src.clear();
+        self.dst.clear();
+        self.lens = Lens::Uniform(0);
+        self.raw_count = 0;
+        self.total_bytes = 0;
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.src.reserve(n);
+        self.dst.reserve(n);
+    }
+
+    /// Appends lengths for `n` new descriptors of `len` bytes.
+    #[inline]
+    fn push_lens(&mut self, len: u64, n: usize) {
+        if let Lens::Uniform(l) = self.lens {
+            if l == len {
+                return;
+            }
+        }
+        self.push_lens_slow(len, n);
+    }
+
+    #[cold]
+    fn push_lens_slow(&mut self, len: u64, n: usize) {
+        let before = self.len() - n;
+        match &mut self.lens {
+            Lens::Uniform(l) if *l == len || before == 0 => *l = len,
+            Lens::Uniform(l) => {
+                let mut each = vec![*l; before];
+                each.resize(before + n, len);
+                self.lens = Lens::Each(each);
+            }
+            Lens::Each(v) => v.resize(before + n, len),
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, d: Descriptor) {
+        self.src.push(d.src);
+        self.dst.push(d.dst);
+        match &mut self.lens {
+            Lens::Uniform(l) if *l == d.len => {}
+            _ => self.push_lens(d.len, 1),
+        }
+    }
+
+    /// Adds `extra` bytes to the last descriptor.
+    fn grow_last(&mut self, extra: u64) {
+        let i = self.len() - 1;
+        match &mut self.lens {
+            Lens::Uniform(l) if i == 0 => *l += extra,
+            Lens::Uniform(l) => {
+                let mut each = vec![*l; i + 1];
+                each[i] += extra;
+                self.lens = Lens::Each(each);
+            }
+            Lens::Each(v) => v[i] += extra,
+        }
+    }
+
+    fn replace(&mut self, descs: &[Descriptor]) {
+        let (raw, bytes) = (self.raw_count, self.total_bytes);
+        self.clear();
+        self.reserve(descs.len());
+        for &d in descs {
+            self.push(d);
+        }
+        self.raw_count = raw;
+        self.total_bytes = bytes;
+    }
 }
 
 /// How one head slice sits inside one part of one block on both sides.
@@ -334,9 +489,7 @@ pub fn plan_transfer_into(
     options: PlanOptions,
     plan: &mut TransferPlan,
 ) -> Result<()> {
-    plan.descriptors.clear();
-    plan.raw_count = 0;
-    plan.total_bytes = 0;
+    plan.clear();
     let sweep = sweep_for(src.spec, dst.spec, slice)?;
     if pairs.src.len() != pairs.dst.len() {
         return Err(LayoutError::LengthMismatch {
@@ -374,11 +527,12 @@ pub fn plan_transfer_into(
         });
     }
     let total_bytes = mul(units, sweep.bytes(), "plan bytes")?;
-    plan.descriptors.reserve(raw_count as usize);
+    plan.reserve(raw_count as usize);
     let mut emitter = Emitter {
-        out: &mut plan.descriptors,
+        out: plan,
         merge: options.coalesce,
         sorted: true,
+        last: None,
     };
     for layer in first..end {
         let range = layer_pairs(pairs, layer)?;
@@ -396,7 +550,9 @@ pub fn plan_transfer_into(
     // Emitted in destination order, every neighbour pair was already offered a merge, so
     // the list is minimal; otherwise order it and merge again.
     if options.coalesce && !emitter.sorted {
-        coalesce(&mut plan.descriptors);
+        let mut descs = plan.descriptors();
+        coalesce(&mut descs);
+        plan.replace(&descs);
     }
     plan.raw_count = raw_count;
     plan.total_bytes = total_bytes;
@@ -405,24 +561,34 @@ pub fn plan_transfer_into(
 
 /// Appends descriptors, merging when asked, and notes whether they stay in destination order.
 struct Emitter<'a> {
-    out: &'a mut Vec<Descriptor>,
+    out: &'a mut TransferPlan,
     merge: bool,
     sorted: bool,
+    /// The last descriptor as it now stands (after any merge), kept here so the hot path
+    /// never reads it back from the plan's arrays.
+    last: Option<Descriptor>,
 }
 
 impl Emitter<'_> {
     /// Appends the first piece of a block; later pieces of the same block follow in
     /// ascending destination order and never continue each other.
-    #[inline]
+    #[inline(always)]
     fn push_first(&mut self, desc: Descriptor) {
-        if let Some(last) = self.out.last() {
+        if let Some(last) = self.last {
             self.sorted &= last.dst < desc.dst;
+            if self.merge && last.continues_into(&desc) {
+                self.out.grow_last(desc.len);
+                self.last = Some(Descriptor {
+                    len: last.len + desc.len,
+                    ..last
+                });
+                return;
+            }
         }
-        if self.merge {
-            push_merging(self.out, desc);
-        } else {
-            self.out.push(desc);
-        }
+        self.out.src.push(desc.src);
+        self.out.dst.push(desc.dst);
+        self.out.push_lens(desc.len, 1);
+        self.last = Some(desc);
     }
 
     /// Emits the pieces of one (layer, part) for every block pair. Addresses cannot
@@ -464,11 +630,27 @@ impl Emitter<'_> {
                         dst: d,
                         len,
                     });
-                    self.out.extend((1..u64::from(count)).map(|t| Descriptor {
-                        src: s + t * src_stride,
-                        dst: d + t * dst_stride,
-                        len,
+                    // Running sums, not `t * stride`: 64-bit vector multiplies are slow on
+                    // baseline x86-64, and this loop is the whole cost of big NHD plans.
+                    let rest = count as usize - 1;
+                    if rest == 0 {
+                        continue;
+                    }
+                    let (mut sa, mut da) = (s, d);
+                    self.out.src.extend((0..rest).map(|_| {
+                        sa += src_stride;
+                        sa
                     }));
+                    self.out.dst.extend((0..rest).map(|_| {
+                        da += dst_stride;
+                        da
+                    }));
+                    self.out.push_lens(len, rest);
+                    self.last = Some(Descriptor {
+                        src: sa,
+                        dst: da,
+                        len,
+                    });
                 }
             }
         }

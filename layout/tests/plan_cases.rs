@@ -41,7 +41,7 @@ fn hnd_decode_tp_multiple_reads_contiguous_slice_per_block() {
         assert_eq!(out.raw_count, 2 * 2 * 2);
         let local_block_len = d.block_len();
         assert_eq!(local_block_len, p.block_len() / 4);
-        let first = out.descriptors[0];
+        let first = out.descriptors()[0];
         assert_eq!(
             first.src,
             pb[0] + 5 * p.block_len() + u64::from(r) * local_block_len
@@ -75,8 +75,8 @@ fn nhd_prefill_tp_smaller_slices_each_token() {
     let out = plan(&ps, &ds, slice_of(&link), &[3], &[0], true);
     // One descriptor per (K/V, token): sources are strided, so nothing merges.
     assert_eq!(out.raw_count, 2 * 4);
-    assert_eq!(out.descriptors.len(), 8);
-    let k = &out.descriptors[..4];
+    assert_eq!(out.descriptors().len(), 8);
+    let k = &out.descriptors()[..4];
     for (t, desc) in k.iter().enumerate() {
         let t = t as u64;
         assert_eq!(desc.src, pb[0] + 3 * p.block_len() + t * 8 * hb + 4 * hb);
@@ -109,10 +109,10 @@ fn nhd_prefill_tp_larger_writes_at_rank_offset() {
     let out = plan(&ps, &ds, slice_of(&links[1]), &[0, 1], &[1, 2], true);
     let hb = p.head_token_bytes();
     // Source tokens are contiguous (all local heads) but destinations are strided.
-    assert_eq!(out.descriptors.len(), 2 * 2 * 2);
-    assert_eq!(out.descriptors[0].dst, db[0] + d.block_len() + 2 * hb);
+    assert_eq!(out.descriptors().len(), 2 * 2 * 2);
+    assert_eq!(out.descriptors()[0].dst, db[0] + d.block_len() + 2 * hb);
     assert_eq!(
-        out.descriptors[1].dst,
+        out.descriptors()[1].dst,
         db[0] + d.block_len() + 4 * hb + 2 * hb
     );
 }
@@ -134,7 +134,7 @@ fn fresh_request_coalesces_to_one_descriptor_per_region() {
     };
     let out = plan(&ps, &ds, full, &blocks, &blocks, true);
     assert_eq!(out.raw_count, 8 * 32);
-    assert_eq!(out.descriptors.len(), 8);
+    assert_eq!(out.descriptors().len(), 8);
     assert_eq!(out.total_bytes, 8 * 32 * s.block_len());
     // Without gaps between regions the whole request is one descriptor per... region run:
     // blocks 10..42 of adjacent regions are not contiguous, so still 8.
@@ -146,7 +146,7 @@ fn fresh_request_coalesces_to_one_descriptor_per_region() {
     let all: Vec<u32> = (0..64).collect();
     let whole = plan(&ps0, &ds0, full, &all, &all, true);
     assert_eq!(
-        whole.descriptors.len(),
+        whole.descriptors().len(),
         1,
         "whole contiguous cache is one descriptor"
     );
@@ -168,9 +168,9 @@ fn joint_and_mla_layouts() {
     };
     let out = plan(&ps, &ds, slice, &[1], &[3], true);
     // K half and V half of the joint block: two pieces, K then V.
-    assert_eq!(out.descriptors.len(), 4);
+    assert_eq!(out.descriptors().len(), 4);
     let half = j.part_block_len();
-    assert_eq!(out.descriptors[1].src - out.descriptors[0].src, half);
+    assert_eq!(out.descriptors()[1].src - out.descriptors()[0].src, half);
 
     let mla = CacheSpec::new(CacheParams {
         kind: CacheKind::Mla,
@@ -196,7 +196,7 @@ fn joint_and_mla_layouts() {
     let out = plan(&ps, &ds, one, &[4, 5, 9], &[0, 1, 2], true);
     assert_eq!(out.raw_count, 9);
     assert_eq!(
-        out.descriptors.len(),
+        out.descriptors().len(),
         6,
         "blocks 4,5 -> 0,1 merge in each layer"
     );
@@ -222,7 +222,6 @@ fn pipeline_stage_into_all_layers() {
     assert_eq!(out.raw_count, 16);
     // Source layer 0 of the stage (global 7), V part = source region 1 -> decode region 15.
     let v7 = out
-        .descriptors
         .iter()
         .find(|x| x.src == pb[1] + p.block_len())
         .expect("layer 7 V descriptor");
@@ -310,7 +309,7 @@ fn bad_plans_are_typed_errors() {
         go(&[0], &[0], wide),
         Err(LayoutError::OutOfRange { .. })
     ));
-    assert!(go(&[], &[], full).unwrap().descriptors.is_empty());
+    assert!(go(&[], &[], full).unwrap().descriptors().is_empty());
     let ob = bases(&other, 1 << 24, 0);
     let os = CacheSide::new(&other, &ob, 0).unwrap();
     let pairs = BlockPairs {

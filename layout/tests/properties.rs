@@ -174,7 +174,7 @@ fn plans_into(c: &Config, r: u32) -> Vec<(u32, TransferPlan, TransferPlan)> {
         .unwrap();
         let merged = plan_transfer(&pside, &dside, slice, &pairs, PlanOptions::default()).unwrap();
         // Every descriptor inside both sides' registered regions.
-        for desc in raw.descriptors.iter().chain(&merged.descriptors) {
+        for desc in raw.descriptors().iter().chain(&merged.descriptors()) {
             assert!(pside.contains(desc.src, desc.len), "src outside: {desc:?}");
             assert!(dside.contains(desc.dst, desc.len), "dst outside: {desc:?}");
         }
@@ -217,18 +217,18 @@ proptest! {
     fn coalescing_preserves_bytes_and_is_minimal(c in config()) {
         for r in 0..c.d {
             for (_, raw, merged) in plans_into(&c, r) {
-                prop_assert_eq!(raw.raw_count, raw.descriptors.len() as u64);
+                prop_assert_eq!(raw.raw_count, raw.descriptors().len() as u64);
                 prop_assert_eq!(merged.raw_count, raw.raw_count);
-                prop_assert_eq!(byte_pairs(&raw.descriptors), byte_pairs(&merged.descriptors));
-                let bytes: u64 = merged.descriptors.iter().map(|d| d.len).sum();
+                prop_assert_eq!(byte_pairs(&raw.descriptors()), byte_pairs(&merged.descriptors()));
+                let bytes: u64 = merged.descriptors().iter().map(|d| d.len).sum();
                 prop_assert_eq!(bytes, merged.total_bytes);
-                for w in merged.descriptors.windows(2) {
+                for w in merged.descriptors().windows(2) {
                     prop_assert!(w[0].dst + w[0].len <= w[1].dst, "dst overlap or unordered: {:?}", w);
                     prop_assert!(!w[0].continues_into(&w[1]), "mergeable neighbours: {:?}", w);
                 }
-                let mut again = merged.descriptors.clone();
+                let mut again = merged.descriptors().clone();
                 coalesce(&mut again);
-                prop_assert_eq!(&again, &merged.descriptors);
+                prop_assert_eq!(&again, &merged.descriptors());
             }
         }
     }
@@ -246,7 +246,7 @@ proptest! {
             let mut sources: HashMap<u32, HashMap<u64, Element>> = HashMap::new();
             for (q, _, merged) in plans_into(&c, r) {
                 sources.entry(q).or_insert_with(|| element_map(&c, Side::Prefill, q, &c.src_blocks));
-                for d in &merged.descriptors {
+                for d in &merged.descriptors() {
                     for i in 0..d.len {
                         let prev = written.insert(d.dst + i, d.src + i);
                         prop_assert!(prev.is_none(), "destination byte written twice");
@@ -254,7 +254,7 @@ proptest! {
                     }
                 }
                 // Remember which prefill rank wrote each byte through the source map lookup below.
-                for d in &merged.descriptors {
+                for d in &merged.descriptors() {
                     for i in 0..d.len {
                         let src = sources[&q][&(d.src + i)];
                         let dst = dst_elems[&(d.dst + i)];

@@ -27,3 +27,14 @@ impl TransportFactory for Facade {
 }
 
 kvxfer_tests::conformance_suite!(Facade);
+
+/// Everything a caller moves between threads is `Send`.
+#[test]
+fn contract_types_are_send() {
+    fn send<T: Send>() {}
+    send::<AnyTransport>();
+    send::<kvxfer_transport_loopback::LoopbackTransport>();
+    send::<kvxfer_core::Registration>();
+    send::<kvxfer_core::TransportError>();
+    send::<kvxfer_transport_loopback::Faults>();
+}
