@@ -7,6 +7,7 @@
 
 pub mod plan;
 pub mod transport;
+pub mod wire;
 
 pub use transport::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Registration,
