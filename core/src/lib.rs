@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod plan;
+pub mod sidechannel;
 pub mod transport;
 pub mod wire;
 

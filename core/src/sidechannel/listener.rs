@@ -1,0 +1,190 @@
+//! The handshake listener: a thread with a ROUTER socket that answers metadata requests.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+
+use super::{context, endpoint};
+use crate::wire::handshake::GET_META_MSG;
+
+/// Requests larger than this are dropped unread (a real request is a few bytes).
+pub const MAX_REQUEST_BYTES: usize = 4096;
+/// How often the listener thread checks whether it should stop.
+const POLL_MS: i64 = 50;
+
+/// Counters of what the listener saw.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Requests answered with metadata.
+    pub served: AtomicU64,
+    /// Requests refused (malformed, oversized, unknown rank).
+    pub refused: AtomicU64,
+}
+
+/// A running listener; dropping it stops and joins the thread.
+pub struct Listener {
+    port: u16,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    replies: Arc<RwLock<HashMap<u32, Vec<u8>>>>,
+    stats: Arc<ListenerStats>,
+}
+
+impl Listener {
+    /// Binds `host:port` (port 0 picks a free one) and serves `reply` for `rank`; requests
+    /// of exactly `get_meta_msg` get this rank's reply, requests naming a rank get that
+    /// rank's reply if this listener holds it.
+    pub fn bind(host: &str, port: u16, rank: u32, reply: Vec<u8>) -> Result<Self, String> {
+        let socket = context()
+            .socket(zmq::ROUTER)
+            .map_err(|e| format!("cannot create ROUTER socket: {e}"))?;
+        socket.set_linger(0).map_err(|e| e.to_string())?;
+        socket
+            .set_rcvtimeo(POLL_MS as i32)
+            .map_err(|e| e.to_string())?;
+        socket.set_sndtimeo(1000).map_err(|e| e.to_string())?;
+        socket
+            .set_maxmsgsize(MAX_REQUEST_BYTES as i64)
+            .map_err(|e| e.to_string())?;
+        let addr = if port == 0 {
+            endpoint(host, 0).replace(":0", ":*")
+        } else {
+            endpoint(host, port)
+        };
+        socket
+            .bind(&addr)
+            .map_err(|e| format!("cannot bind {addr}: {e}"))?;
+        let bound = socket
+            .get_last_endpoint()
+            .map_err(|e| e.to_string())?
+            .map_err(|_| "bound endpoint is not UTF-8".to_string())?;
+        let port = bound
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| format!("cannot read the port of {bound}"))?;
+        let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(ListenerStats::default());
+        let thread = {
+            let (replies, stop, stats) =
+                (Arc::clone(&replies), Arc::clone(&stop), Arc::clone(&stats));
+            std::thread::Builder::new()
+                .name(format!("kvxfer-listen-{port}"))
+                .spawn(move || serve(socket, rank, &replies, &stop, &stats))
+                .map_err(|e| format!("cannot start listener thread: {e}"))?
+        };
+        tracing::debug!(%bound, rank, "side channel listening");
+        Ok(Listener {
+            port,
+            stop,
+            thread: Some(thread),
+            replies,
+            stats,
+        })
+    }
+
+    /// The bound port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Adds or replaces the reply for another rank (one listener can serve a whole engine).
+    pub fn set_reply(&self, rank: u32, reply: Vec<u8>) {
+        self.replies
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(rank, reply);
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ListenerStats {
+        &self.stats
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Which rank a request asks for: `get_meta_msg` alone (this rank), or a msgpack array
+/// `["get_meta_msg", rank]`.
+fn requested_rank(payload: &[u8], own: u32) -> Option<u32> {
+    if payload == GET_META_MSG {
+        return Some(own);
+    }
+    let (tag, rank): (serde_bytes::ByteBuf, u32) = rmp_serde::from_slice(payload).ok()?;
+    (tag.as_ref() == GET_META_MSG).then_some(rank)
+}
+
+fn serve(
+    socket: zmq::Socket,
+    own: u32,
+    replies: &RwLock<HashMap<u32, Vec<u8>>>,
+    stop: &AtomicBool,
+    stats: &ListenerStats,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let frames = match socket.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "side channel receive failed");
+                continue;
+            }
+        };
+        // [identity, empty delimiter, payload] from REQ; [identity, payload] from DEALER.
+        let (Some(identity), Some(payload)) = (frames.first(), frames.last()) else {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let with_delimiter = frames.len() == 3 && frames[1].is_empty();
+        if frames.len() < 2 || (frames.len() > 2 && !with_delimiter) {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let reply = requested_rank(payload, own).and_then(|r| {
+            replies
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&r)
+                .cloned()
+        });
+        let body = match reply {
+            Some(bytes) => {
+                stats.served.fetch_add(1, Ordering::Relaxed);
+                bytes
+            }
+            None => {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    len = payload.len(),
+                    "side channel refused an unexpected request"
+                );
+                rmp_serde::to_vec_named(&ErrorReply {
+                    error: "unknown request or rank",
+                })
+                .unwrap_or_default()
+            }
+        };
+        let mut out: Vec<&[u8]> = vec![identity.as_slice()];
+        if with_delimiter {
+            out.push(b"");
+        }
+        out.push(&body);
+        if let Err(e) = socket.send_multipart(out, 0) {
+            tracing::warn!(error = %e, "side channel reply failed");
+        }
+    }
+}
+
+#[derive(serde::Serialize)]
+struct ErrorReply {
+    error: &'static str,
+}

@@ -1,0 +1,147 @@
+//! The side channel over real sockets: exact metadata handed over, ranks named, timeouts,
+//! malformed replies refused, garbage requests survived.
+
+use std::time::{Duration, Instant};
+
+use kvxfer_core::sidechannel::{FetchError, Listener, fetch_metadata};
+use kvxfer_core::wire::handshake::{GET_META_MSG, HandshakeMeta, MAX_HANDSHAKE_BYTES};
+
+const T: Duration = Duration::from_secs(5);
+
+fn meta(engine: &str, rank: u32) -> HandshakeMeta {
+    HandshakeMeta {
+        engine_id: engine.into(),
+        agent_metadata: vec![rank as u8; 300],
+        kv_caches_base_addr: vec![0x1000 * u64::from(rank + 1), 0x9000],
+        num_blocks: 64,
+        tp_size: 2,
+        block_len: 32768,
+        attn_backend_name: "FLASH_ATTN".into(),
+        kvxfer_protocol: Some(1),
+        kvxfer_tp_rank: Some(rank),
+        kvxfer_layout: None,
+        kvxfer_compat_digest: None,
+        kvxfer_lease_ms: Some(30_000),
+    }
+}
+
+#[test]
+fn handshake_hands_over_exact_metadata() {
+    let m = meta("prefill", 0);
+    let l = Listener::bind("127.0.0.1", 0, 0, m.encode()).expect("bind");
+    let start = Instant::now();
+    let got = fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).expect("fetch");
+    let took = start.elapsed();
+    assert_eq!(got, m);
+    println!("handshake over loopback TCP took {took:?}");
+    // Requests naming a rank.
+    l.set_reply(1, meta("prefill", 1).encode());
+    assert_eq!(
+        fetch_metadata("127.0.0.1", l.port(), Some(1), T, MAX_HANDSHAKE_BYTES).unwrap(),
+        meta("prefill", 1)
+    );
+    assert_eq!(
+        fetch_metadata("127.0.0.1", l.port(), Some(0), T, MAX_HANDSHAKE_BYTES).unwrap(),
+        m
+    );
+    let unknown = fetch_metadata("127.0.0.1", l.port(), Some(7), T, MAX_HANDSHAKE_BYTES);
+    assert!(
+        matches!(unknown, Err(FetchError::BadReply { .. })),
+        "{unknown:?}"
+    );
+    assert_eq!(
+        l.stats().served.load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+}
+
+#[test]
+fn nobody_listening_times_out() {
+    let port = {
+        let s = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        s.local_addr().unwrap().port()
+    };
+    let start = Instant::now();
+    let r = fetch_metadata(
+        "127.0.0.1",
+        port,
+        None,
+        Duration::from_millis(200),
+        MAX_HANDSHAKE_BYTES,
+    );
+    assert!(matches!(r, Err(FetchError::Timeout { .. })), "{r:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "timeout not honoured"
+    );
+}
+
+#[test]
+fn malformed_replies_are_errors_not_panics() {
+    let good = meta("p", 0).encode();
+    let mut huge = vec![0x81, 0xb3];
+    huge.extend_from_slice(b"kv_caches_base_addr");
+    huge.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+    let wrong_types = rmp_serde::to_vec_named(&std::collections::BTreeMap::from([
+        ("engine_id", 5u32),
+        ("num_blocks", 1),
+    ]))
+    .unwrap();
+    let noise: Vec<u8> = (0..500u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    for (name, reply) in [
+        ("truncated", good[..good.len() / 2].to_vec()),
+        ("wrong types", wrong_types),
+        ("huge lengths", huge),
+        ("random bytes", noise),
+        ("empty", Vec::new()),
+    ] {
+        let l = Listener::bind("127.0.0.1", 0, 0, reply).expect("bind");
+        let r = fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES);
+        assert!(
+            matches!(r, Err(FetchError::BadReply { .. })),
+            "{name}: {r:?}"
+        );
+    }
+    // A reply above the client's limit is refused too (ZMQ drops it: a timeout or bad reply).
+    let l = Listener::bind("127.0.0.1", 0, 0, good).expect("bind");
+    let r = fetch_metadata("127.0.0.1", l.port(), None, Duration::from_millis(300), 64);
+    assert!(r.is_err(), "oversized reply accepted");
+}
+
+#[test]
+fn garbage_requests_do_not_stop_the_listener() {
+    let m = meta("p", 0);
+    let l = Listener::bind("127.0.0.1", 0, 0, m.encode()).expect("bind");
+    let ctx = zmq::Context::new();
+    let ep = format!("tcp://127.0.0.1:{}", l.port());
+    // DEALER sends raw frames: junk, an oversized message, many frames, a wrong request.
+    let dealer = ctx.socket(zmq::DEALER).unwrap();
+    dealer.set_linger(0).unwrap();
+    dealer.connect(&ep).unwrap();
+    dealer.send(&b"garbage"[..], 0).unwrap();
+    dealer.send(vec![7u8; 1 << 20], 0).unwrap();
+    dealer
+        .send_multipart([&b"a"[..], b"b", b"c", b"d"], 0)
+        .unwrap();
+    for i in 0..200u32 {
+        dealer.send(i.to_le_bytes().to_vec(), zmq::DONTWAIT).ok();
+    }
+    // Raw TCP garbage that is not even ZMTP.
+    {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", l.port())).unwrap();
+        let _ = s.write_all(&[0xffu8; 4096]);
+    }
+    let got =
+        fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).expect("still serving");
+    assert_eq!(got, m);
+    assert!(l.stats().refused.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    // The reference request is accepted byte for byte.
+    let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_rcvtimeo(5000).unwrap();
+    req.connect(&ep).unwrap();
+    req.send(GET_META_MSG, 0).unwrap();
+    assert_eq!(req.recv_bytes(0).unwrap(), m.encode());
+}
