@@ -5,7 +5,9 @@
 //! byte offsets come from `kvxfer-layout`, bytes move through a [`transport::Transport`].
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod plan;
+pub mod pull;
 pub mod sidechannel;
 pub mod transport;
 pub mod wire;

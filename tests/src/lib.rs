@@ -7,3 +7,4 @@
 
 pub mod conformance;
 pub mod memory;
+pub mod pull_env;

@@ -121,6 +121,17 @@ impl LoopbackTransport {
         self.xfers.len()
     }
 
+    /// Live resources `(peers, prepared lists, transfers, registered regions)`, so tests can
+    /// check that a user released exactly what it created.
+    pub fn resource_counts(&self) -> (usize, usize, usize, usize) {
+        (
+            self.peers.len(),
+            self.lists.len(),
+            self.xfers.len(),
+            self.shared.regions().len(),
+        )
+    }
+
     fn next(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id

@@ -1,0 +1,101 @@
+//! Configuration of a pull worker.
+
+use std::time::Duration;
+
+use kvxfer_layout::{CacheKind, CacheSpec, HeadSharding};
+
+use crate::transport::MemoryKind;
+use crate::wire::handshake::MAX_HANDSHAKE_BYTES;
+
+/// What an engine does with a request whose KV cache could not be loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Abort the request.
+    Fail,
+    /// Recompute the invalid blocks locally.
+    Recompute,
+}
+
+/// The engine's KV cache: its spec, one base address per region, and where it lives.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// This rank's cache spec.
+    pub spec: CacheSpec,
+    /// Base address of each region.
+    pub bases: Vec<u64>,
+    /// Host or GPU memory.
+    pub memory: MemoryKind,
+    /// KV heads of the whole model.
+    pub total_kv_heads: u32,
+    /// Layers of the whole model.
+    pub total_layers: u32,
+    /// Global index of this rank's first layer.
+    pub first_layer: u32,
+    /// Optional attention window (in blocks) per global layer.
+    pub layer_windows: Option<Vec<Option<u32>>>,
+}
+
+impl KvCache {
+    /// How heads shard across TP for this cache.
+    pub fn sharding(&self) -> HeadSharding {
+        match self.spec.kind() {
+            CacheKind::Mla => HeadSharding::Replicated,
+            _ => HeadSharding::Split {
+                total_kv_heads: self.total_kv_heads,
+            },
+        }
+    }
+}
+
+/// Settings of a pull worker.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    /// This engine's id.
+    pub engine_id: String,
+    /// TP rank of this worker.
+    pub tp_rank: u32,
+    /// TP size of this engine.
+    pub tp_size: u32,
+    /// Local data-parallel rank (for the listener port).
+    pub dp_rank_local: u32,
+    /// Host the listener binds (loopback by default; binding elsewhere is explicit).
+    pub side_channel_host: String,
+    /// Base port of the listeners; 0 lets this worker's listener pick a free port (tests).
+    pub side_channel_port: u16,
+    /// Attention backend name, compared between sides.
+    pub backend_name: String,
+    /// Bound on every side-channel wait.
+    pub handshake_timeout: Duration,
+    /// Largest handshake reply accepted.
+    pub max_handshake_bytes: usize,
+    /// How long the prefill holds unread blocks without hearing from the decode.
+    pub lease: Duration,
+    /// How often the decode renews leases of requests it waits for.
+    pub heartbeat_interval: Duration,
+    /// What engines should do with failed loads.
+    pub failure_policy: FailurePolicy,
+    /// Refuse peers whose layout is incompatible (on by default).
+    pub enforce_compat: bool,
+}
+
+impl PullConfig {
+    /// Defaults for `engine_id`, rank `tp_rank` of `tp_size`.
+    pub fn new(engine_id: &str, tp_rank: u32, tp_size: u32) -> Self {
+        let lease = Duration::from_secs(30);
+        PullConfig {
+            engine_id: engine_id.into(),
+            tp_rank,
+            tp_size,
+            dp_rank_local: 0,
+            side_channel_host: "127.0.0.1".into(),
+            side_channel_port: 5600,
+            backend_name: "kvxfer".into(),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshake_bytes: MAX_HANDSHAKE_BYTES,
+            lease,
+            heartbeat_interval: lease / 6,
+            failure_policy: FailurePolicy::Fail,
+            enforce_compat: true,
+        }
+    }
+}

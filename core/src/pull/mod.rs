@@ -1,0 +1,19 @@
+//! The pull-mode connector: the decode side READs the prefill's KV blocks (the reference
+//! vLLM NIXL connector's behaviour, with what later versions learned: off-thread handshakes,
+//! compatibility checks, leases, failure reporting, metrics).
+//!
+//! [`PullScheduler`] is the sans-I/O scheduler half; [`PullWorker`] is the worker half that
+//! owns a transport.
+
+mod aggregate;
+mod config;
+mod metrics;
+pub mod notify;
+mod scheduler;
+mod worker;
+
+pub use aggregate::{FinishedAggregator, LocalAggregator};
+pub use config::{FailurePolicy, KvCache, PullConfig};
+pub use metrics::PullMetrics;
+pub use scheduler::{FinishDecision, PullScheduler, RecvRequest, StepMeta};
+pub use worker::{FailedLoad, Finished, PullError, PullWorker};

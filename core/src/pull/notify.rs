@@ -1,0 +1,74 @@
+//! Notification messages between decode and prefill workers.
+
+/// Prefix of lease heartbeats (kvxfer peers only; reference peers never receive them).
+pub const HEARTBEAT_PREFIX: &str = "kvxfer-hb:";
+
+/// A notification the prefill side understands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullNote<'a> {
+    /// `"{req_id}:{readers}"`: one reader finished; the request has `readers` in total.
+    Read {
+        /// Request id.
+        req_id: &'a str,
+        /// Readers to wait for.
+        readers: u32,
+    },
+    /// `"kvxfer-hb:{req_id}"`: the decode still wants the request's blocks.
+    Heartbeat {
+        /// Request id.
+        req_id: &'a str,
+    },
+}
+
+/// The read-done message.
+pub fn read_done(req_id: &str, readers: u32) -> Vec<u8> {
+    format!("{req_id}:{readers}").into_bytes()
+}
+
+/// The heartbeat message.
+pub fn heartbeat(req_id: &str) -> Vec<u8> {
+    format!("{HEARTBEAT_PREFIX}{req_id}").into_bytes()
+}
+
+/// Parses a notification; anything else is `None` (dropped and counted by the caller).
+pub fn parse(message: &[u8]) -> Option<PullNote<'_>> {
+    let text = std::str::from_utf8(message).ok()?;
+    if let Some(req_id) = text.strip_prefix(HEARTBEAT_PREFIX) {
+        return (!req_id.is_empty()).then_some(PullNote::Heartbeat { req_id });
+    }
+    let (req_id, readers) = text.rsplit_once(':')?;
+    let readers: u32 = readers.parse().ok()?;
+    (!req_id.is_empty() && readers > 0).then_some(PullNote::Read { req_id, readers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_round_trip_and_junk_is_none() {
+        assert_eq!(
+            parse(&read_done("cmpl-1:x", 2)),
+            Some(PullNote::Read {
+                req_id: "cmpl-1:x",
+                readers: 2
+            })
+        );
+        assert_eq!(
+            parse(&heartbeat("r")),
+            Some(PullNote::Heartbeat { req_id: "r" })
+        );
+        for junk in [
+            &b""[..],
+            b"r",
+            b":3",
+            b"r:0",
+            b"r:-1",
+            b"r:x",
+            b"\xff\xfe:1",
+            b"kvxfer-hb:",
+        ] {
+            assert_eq!(parse(junk), None, "{junk:?}");
+        }
+    }
+}

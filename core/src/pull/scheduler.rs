@@ -1,0 +1,233 @@
+//! The scheduler half of the pull connector: sans-I/O bookkeeping of which requests load
+//! from a remote prefill, which blocks the prefill must hold, and what each worker step does.
+
+use std::collections::HashSet;
+
+use crate::wire::WireError;
+use crate::wire::params::KvTransferParams;
+
+/// A load the workers must start: read `remote.block_ids` (their tail) into `local_block_ids`.
+/// An empty `local_block_ids` (full local prefix hit) only notifies the prefill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvRequest {
+    /// Request id.
+    pub req_id: String,
+    /// Local blocks to fill.
+    pub local_block_ids: Vec<u32>,
+    /// Prefill engine to read from.
+    pub engine_id: String,
+    /// Its side-channel host.
+    pub host: String,
+    /// Its side-channel base port.
+    pub port: u16,
+    /// Its blocks holding the request.
+    pub remote_block_ids: Vec<u32>,
+}
+
+/// What the workers do in one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepMeta {
+    /// Loads to start (decode side).
+    pub recv: Vec<RecvRequest>,
+    /// Requests whose blocks the prefill now holds for a remote decode (prefill side).
+    pub hold: Vec<String>,
+}
+
+/// The outcome of a finished request on the prefill side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishDecision {
+    /// Keep the blocks until the decode read them (or the lease expires).
+    pub delay_free: bool,
+    /// Parameters to hand to the decode side through the proxy.
+    pub params: Option<KvTransferParams>,
+}
+
+/// Scheduler half; one per engine.
+#[derive(Debug)]
+pub struct PullScheduler {
+    engine_id: String,
+    host: String,
+    port: u16,
+    pending: StepMeta,
+    triggered: HashSet<String>,
+}
+
+impl PullScheduler {
+    /// A scheduler for engine `engine_id` whose side channel is `host:port` (base port).
+    pub fn new(engine_id: &str, host: &str, port: u16) -> Self {
+        PullScheduler {
+            engine_id: engine_id.into(),
+            host: host.into(),
+            port,
+            pending: StepMeta::default(),
+            triggered: HashSet::new(),
+        }
+    }
+
+    /// Tokens to load asynchronously for a request: every prompt token not computed
+    /// locally when the request pulls from a remote prefill (the last, partial block
+    /// included, so prompts shorter than a block load too), else none.
+    pub fn tokens_to_load(
+        &self,
+        params: Option<&KvTransferParams>,
+        prompt_len: usize,
+        num_computed_tokens: usize,
+    ) -> (usize, bool) {
+        match params {
+            Some(p) if p.do_remote_prefill => {
+                let count = prompt_len.saturating_sub(num_computed_tokens);
+                (count, count > 0)
+            }
+            _ => (0, false),
+        }
+    }
+
+    /// Records a request after block allocation. `uncomputed_blocks` are its local blocks
+    /// without a local prefix hit; with `num_external_tokens == 0` (full prefix hit) the
+    /// prefill is only notified. Triggers at most one transfer per request.
+    pub fn after_alloc(
+        &mut self,
+        req_id: &str,
+        params: &mut KvTransferParams,
+        uncomputed_blocks: &[u32],
+        num_external_tokens: usize,
+    ) -> Result<(), WireError> {
+        if !params.do_remote_prefill || self.triggered.contains(req_id) {
+            return Ok(());
+        }
+        let src = params.remote_source()?;
+        let local = if num_external_tokens > 0 {
+            uncomputed_blocks.to_vec()
+        } else {
+            Vec::new()
+        };
+        self.pending.recv.push(RecvRequest {
+            req_id: req_id.into(),
+            local_block_ids: local,
+            engine_id: src.engine_id.into(),
+            host: src.host.into(),
+            port: src.port,
+            remote_block_ids: src.block_ids.to_vec(),
+        });
+        self.triggered.insert(req_id.into());
+        params.do_remote_prefill = false;
+        Ok(())
+    }
+
+    /// The step's metadata for the workers (taken: the next call starts empty).
+    pub fn build_step_meta(&mut self) -> StepMeta {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Decides, when a request finishes on the prefill side, whether its blocks are held
+    /// for a remote decode and what parameters the decode needs. Only requests asking for
+    /// remote decode that stopped because of the length cap (prefill-only) qualify.
+    pub fn request_finished(
+        &mut self,
+        req_id: &str,
+        params: Option<&KvTransferParams>,
+        length_capped: bool,
+        block_ids: &[u32],
+    ) -> FinishDecision {
+        self.triggered.remove(req_id);
+        let wants_remote = params.is_some_and(|p| p.do_remote_decode);
+        if !wants_remote || !length_capped {
+            return FinishDecision {
+                delay_free: false,
+                params: None,
+            };
+        }
+        let delay_free = !block_ids.is_empty();
+        if delay_free {
+            self.pending.hold.push(req_id.into());
+        }
+        FinishDecision {
+            delay_free,
+            params: Some(KvTransferParams {
+                do_remote_prefill: true,
+                do_remote_decode: false,
+                remote_block_ids: Some(block_ids.to_vec()),
+                remote_engine_id: Some(self.engine_id.clone()),
+                remote_host: Some(self.host.clone()),
+                remote_port: Some(self.port),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote(blocks: &[u32]) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            remote_block_ids: Some(blocks.to_vec()),
+            remote_engine_id: Some("P".into()),
+            remote_host: Some("127.0.0.1".into()),
+            remote_port: Some(5600),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn two_and_a_half_blocks_give_one_recv_entry() {
+        let mut s = PullScheduler::new("D", "h", 1);
+        let mut p = remote(&[7, 8, 9]);
+        // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
+        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), (40, true));
+        s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
+        let meta = s.build_step_meta();
+        assert_eq!(meta.recv.len(), 1);
+        assert_eq!(meta.recv[0].local_block_ids, vec![1, 2, 3]);
+        assert_eq!(meta.recv[0].remote_block_ids, vec![7, 8, 9]);
+        // Only one transfer per request, and the meta was taken.
+        s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
+        assert!(s.build_step_meta().recv.is_empty());
+        assert!(!p.do_remote_prefill);
+    }
+
+    #[test]
+    fn prompt_shorter_than_a_block_still_loads() {
+        let s = PullScheduler::new("D", "h", 1);
+        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 0), (5, true));
+        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 5), (0, false));
+        assert_eq!(s.tokens_to_load(None, 50, 0), (0, false));
+    }
+
+    #[test]
+    fn full_prefix_hit_notifies_only_partial_hit_reads_tail() {
+        let mut s = PullScheduler::new("D", "h", 1);
+        let mut p = remote(&[7, 8, 9]);
+        s.after_alloc("full", &mut p, &[], 0).unwrap();
+        let mut q = remote(&[7, 8, 9]);
+        s.after_alloc("partial", &mut q, &[5], 16).unwrap();
+        let meta = s.build_step_meta();
+        assert!(meta.recv[0].local_block_ids.is_empty());
+        assert_eq!(meta.recv[1].local_block_ids, vec![5]);
+        let mut bad = KvTransferParams {
+            do_remote_prefill: true,
+            ..Default::default()
+        };
+        assert!(s.after_alloc("bad", &mut bad, &[1], 16).is_err());
+    }
+
+    #[test]
+    fn prefill_holds_blocks_and_hands_params() {
+        let mut s = PullScheduler::new("P", "10.0.0.1", 5600);
+        let p = KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        };
+        let d = s.request_finished("r", Some(&p), true, &[4, 5]);
+        assert!(d.delay_free);
+        let out = d.params.unwrap();
+        assert_eq!(out.remote_block_ids, Some(vec![4, 5]));
+        assert_eq!(out.remote_engine_id.as_deref(), Some("P"));
+        assert_eq!(s.build_step_meta().hold, vec!["r".to_string()]);
+        // Not length capped (aborted) or not remote: free immediately.
+        assert!(!s.request_finished("r2", Some(&p), false, &[1]).delay_free);
+        assert!(!s.request_finished("r3", None, true, &[1]).delay_free);
+        assert!(!s.request_finished("r4", Some(&p), true, &[]).delay_free);
+    }
+}

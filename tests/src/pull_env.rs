@@ -1,0 +1,374 @@
+//! A small disaggregated deployment in one process for pull-connector scenarios: a prefill
+//! engine of TP `p` and a decode engine of TP `d`, each rank a loopback agent with its own
+//! KV cache in host memory, filled so every byte says which (layer, part, block, token,
+//! global head, byte) it holds. Verification recomputes the expected bytes from that
+//! identity, independently of the planner.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::clock::Clock;
+use kvxfer_core::pull::{Finished, KvCache, PullConfig, PullScheduler, PullWorker, StepMeta};
+use kvxfer_core::wire::params::KvTransferParams;
+use kvxfer_core::{MemoryKind, Transport};
+use kvxfer_layout::{
+    BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype, HeadSharding, Part, Side, TpMapping,
+};
+
+/// Shape of the test model.
+#[derive(Debug, Clone, Copy)]
+pub struct Model {
+    /// Cache kind.
+    pub kind: CacheKind,
+    /// In-block order.
+    pub order: BlockOrder,
+    /// Layers.
+    pub layers: u32,
+    /// KV heads of the model (1 for MLA).
+    pub heads: u32,
+    /// Head dim (latent dim for MLA).
+    pub head_dim: u32,
+    /// Tokens per block.
+    pub tokens: u32,
+    /// Blocks per region.
+    pub blocks: u32,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+impl Model {
+    /// A small split-K/V model.
+    pub fn small(order: BlockOrder, heads: u32) -> Self {
+        Model {
+            kind: CacheKind::SplitKv,
+            order,
+            layers: 2,
+            heads,
+            head_dim: 4,
+            tokens: 4,
+            blocks: 16,
+            dtype: Dtype::F16,
+        }
+    }
+
+    /// A small MLA model.
+    pub fn mla() -> Self {
+        Model {
+            kind: CacheKind::Mla,
+            order: BlockOrder::Nhd,
+            layers: 3,
+            heads: 1,
+            head_dim: 12,
+            tokens: 4,
+            blocks: 16,
+            dtype: Dtype::F16,
+        }
+    }
+
+    fn sharding(&self) -> HeadSharding {
+        if self.kind == CacheKind::Mla {
+            HeadSharding::Replicated
+        } else {
+            HeadSharding::Split {
+                total_kv_heads: self.heads,
+            }
+        }
+    }
+
+    fn spec(&self, heads: u32) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: self.kind,
+            order: self.order,
+            dtype: self.dtype,
+            num_layers: self.layers,
+            kv_heads: heads,
+            head_dim: self.head_dim,
+            tokens_per_block: self.tokens,
+            num_blocks: self.blocks,
+        })
+        .expect("test spec")
+    }
+}
+
+/// The byte a prefill cache holds at an element identity.
+pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e: u64) -> u8 {
+    let p = match part {
+        Part::Key => 1u64,
+        Part::Value => 2,
+        Part::Latent => 3,
+    };
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in [
+        u64::from(layer),
+        p,
+        u64::from(block),
+        u64::from(token),
+        u64::from(head),
+        e,
+    ] {
+        h = (h ^ v).wrapping_mul(0x100_0000_01b3);
+    }
+    (h >> 24) as u8
+}
+
+/// Guard value of untouched decode bytes.
+pub const GUARD: u8 = 0xEE;
+
+/// One rank's cache memory (regions back to back in one allocation).
+pub struct RankCache {
+    /// The spec.
+    pub spec: CacheSpec,
+    /// The memory.
+    pub mem: Vec<u8>,
+    /// First global head held.
+    pub first_head: u32,
+    addr: u64,
+}
+
+impl RankCache {
+    fn new(spec: CacheSpec, first_head: u32, fill_identity: bool) -> Self {
+        let mut mem = vec![GUARD; spec.total_bytes() as usize];
+        let addr = mem.as_mut_ptr() as u64;
+        let mut c = RankCache {
+            mem,
+            spec,
+            first_head,
+            addr,
+        };
+        if fill_identity {
+            c.fill();
+        }
+        c
+    }
+
+    /// Region bases.
+    pub fn bases(&self) -> Vec<u64> {
+        let start = self.addr;
+        (0..u64::from(self.spec.num_regions()))
+            .map(|r| start + r * self.spec.region_len())
+            .collect()
+    }
+
+    fn offset(&self, layer: u32, part: Part, block: u32, token: u32, head: u32) -> (usize, usize) {
+        let (region, r) = self
+            .spec
+            .head_token_range(layer, part, block, token, head)
+            .expect("in range");
+        (
+            (u64::from(region) * self.spec.region_len() + r.offset) as usize,
+            r.len as usize,
+        )
+    }
+
+    fn fill(&mut self) {
+        let s = self.spec;
+        for layer in 0..s.num_layers() {
+            for &part in s.parts() {
+                for b in 0..s.num_blocks() {
+                    for t in 0..s.tokens_per_block() {
+                        for h in 0..s.kv_heads() {
+                            let (at, len) = self.offset(layer, part, b, t, h);
+                            for e in 0..len {
+                                self.mem[at + e] =
+                                    element_byte(layer, part, b, t, self.first_head + h, e as u64);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Checks this decode cache: each `(src, dst)` block pair holds the prefill's bytes for
+    /// every head this rank holds; every other block is untouched.
+    pub fn verify(&self, pairs: &[(u32, u32)]) -> Result<(), String> {
+        let s = self.spec;
+        for layer in 0..s.num_layers() {
+            for &part in s.parts() {
+                for b in 0..s.num_blocks() {
+                    let src = pairs.iter().find(|(_, d)| *d == b).map(|(sb, _)| *sb);
+                    for t in 0..s.tokens_per_block() {
+                        for h in 0..s.kv_heads() {
+                            let (at, len) = self.offset(layer, part, b, t, h);
+                            for e in 0..len {
+                                let want = match src {
+                                    Some(sb) => element_byte(
+                                        layer,
+                                        part,
+                                        sb,
+                                        t,
+                                        self.first_head + h,
+                                        e as u64,
+                                    ),
+                                    None => GUARD,
+                                };
+                                let got = self.mem[at + e];
+                                if got != want {
+                                    return Err(format!(
+                                        "layer {layer} {part:?} block {b} token {t} head {h} byte {e}: got {got:#x}, want {want:#x} (source block {src:?})"
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One engine: its ranks' caches and workers.
+pub struct Engine<T: Transport> {
+    /// Caches, by rank (drop after workers: declared first, dropped last is wrong, so workers
+    /// are dropped explicitly in `Drop`).
+    pub caches: Vec<RankCache>,
+    /// Workers, by rank.
+    pub workers: Vec<PullWorker<T>>,
+    /// Scheduler.
+    pub scheduler: PullScheduler,
+    /// Base port of the listeners.
+    pub base_port: u16,
+}
+
+impl<T: Transport> Drop for Engine<T> {
+    fn drop(&mut self) {
+        // Workers deregister before the cache memory is freed.
+        self.workers.clear();
+    }
+}
+
+/// Builds an engine of `tp` ranks; `prefill` engines fill their caches with identities and
+/// bind listeners at `base_port + rank` (retrying other bases when ports are taken).
+pub fn engine<T: Transport>(
+    name: &str,
+    model: &Model,
+    tp: u32,
+    prefill: bool,
+    clock: Arc<dyn Clock>,
+    make: &dyn Fn(&str) -> T,
+    tune: &dyn Fn(&mut PullConfig),
+) -> Engine<T> {
+    let mapping = TpMapping::new(tp, tp, model.sharding()).expect("tp valid for model");
+    let mut seed = name
+        .bytes()
+        .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    for _attempt in 0..50 {
+        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+        let base = if prefill {
+            20_000 + (seed % 30_000) as u16
+        } else {
+            0
+        };
+        let caches: Vec<RankCache> = (0..tp)
+            .map(|r| {
+                let heads = mapping.heads_of(Side::Prefill, r).expect("rank");
+                RankCache::new(model.spec(heads.count), heads.first, prefill)
+            })
+            .collect();
+        let mut workers = Vec::new();
+        let mut ok = true;
+        for (r, cache) in caches.iter().enumerate() {
+            let mut config = PullConfig::new(name, r as u32, tp);
+            config.side_channel_port = base;
+            config.handshake_timeout = Duration::from_secs(5);
+            tune(&mut config);
+            let kv = KvCache {
+                spec: cache.spec,
+                bases: cache.bases(),
+                memory: MemoryKind::Host,
+                total_kv_heads: model.heads,
+                total_layers: model.layers,
+                first_layer: 0,
+                layer_windows: None,
+            };
+            match PullWorker::new(make(&format!("{name}-{r}")), config, kv, Arc::clone(&clock)) {
+                Ok(w) => workers.push(w),
+                Err(kvxfer_core::pull::PullError::SideChannel(e)) if prefill => {
+                    let _ = e;
+                    ok = false;
+                    break;
+                }
+                Err(e) => panic!("worker {name}-{r}: {e}"),
+            }
+        }
+        if ok {
+            return Engine {
+                caches,
+                workers,
+                scheduler: PullScheduler::new(name, "127.0.0.1", base),
+                base_port: base,
+            };
+        }
+    }
+    panic!("no free port range for {name}");
+}
+
+impl<T: Transport> Engine<T> {
+    /// Prefill: finishes `req_id` holding `blocks`, tells every rank to hold, returns the
+    /// params for the decode.
+    pub fn finish_prefill(&mut self, req_id: &str, blocks: &[u32]) -> KvTransferParams {
+        let p = KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        };
+        let d = self
+            .scheduler
+            .request_finished(req_id, Some(&p), true, blocks);
+        assert!(d.delay_free);
+        let meta = self.scheduler.build_step_meta();
+        for w in &mut self.workers {
+            w.start_load_kv(&meta);
+        }
+        d.params.expect("params")
+    }
+
+    /// Decode: schedules a load of `params` into `local` blocks and starts it on every rank.
+    pub fn start_load(
+        &mut self,
+        req_id: &str,
+        params: &KvTransferParams,
+        local: &[u32],
+        external_tokens: usize,
+    ) -> StepMeta {
+        let mut p = params.clone();
+        self.scheduler
+            .after_alloc(req_id, &mut p, local, external_tokens)
+            .expect("after alloc");
+        let meta = self.scheduler.build_step_meta();
+        for w in &mut self.workers {
+            w.start_load_kv(&meta);
+        }
+        meta
+    }
+
+    /// Polls every rank once; returns per-rank results.
+    pub fn poll(&mut self) -> Vec<Finished> {
+        self.workers.iter_mut().map(|w| w.get_finished()).collect()
+    }
+}
+
+/// Polls `engines` until `done` says so or 60 s pass (a hang guard, not a timing check).
+pub fn poll_until<T: Transport>(
+    engines: &mut [&mut Engine<T>],
+    mut done: impl FnMut(usize, &[Finished]) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let mut all = true;
+        for (i, e) in engines.iter_mut().enumerate() {
+            let f = e.poll();
+            if !done(i, &f) {
+                all = false;
+            }
+        }
+        if all {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "scenario did not finish within 60 s"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
