@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kvxfer_core::clock::{Clock, ManualClock, SystemClock};
-use kvxfer_core::pull::{FailedLoad, PullConfig};
+use kvxfer_core::pull::{FailedLoad, FinishedAggregator, LocalAggregator, PullConfig};
 use kvxfer_layout::{BlockOrder, Dtype};
 use kvxfer_tests::pull_env::{Engine, Model, engine, poll_until};
 use kvxfer_transport_loopback::LoopbackTransport;
@@ -122,13 +122,27 @@ fn five_concurrent_requests() {
     }
     let mut recv: HashSet<(usize, String)> = HashSet::new();
     let mut sent: HashSet<(usize, String)> = HashSet::new();
+    // Rank 0 reports a request only once both decode ranks finished it.
+    let mut agg = LocalAggregator::new(2);
+    let mut engine_done: Vec<String> = Vec::new();
     poll_until(&mut [&mut dec], |_, f| {
         for (r, x) in f.iter().enumerate() {
             assert!(x.failed.is_empty(), "{:?}", x.failed);
             recv.extend(x.recving.iter().map(|id| (r, id.clone())));
+            engine_done.extend(agg.submit(r as u32, x.recving.clone()));
         }
         recv.len() == 10
     });
+    engine_done.sort();
+    assert_eq!(
+        engine_done,
+        (0..5).map(|i| format!("r{i}")).collect::<Vec<_>>()
+    );
+    let mut stats = kvxfer_core::pull::PullMetrics::default();
+    for w in &mut dec.workers {
+        stats.merge(&w.take_metrics());
+    }
+    assert_eq!(stats.transfers, 10, "5 requests x 2 ranks");
     poll_until(&mut [&mut pre], |_, f| {
         for (r, x) in f.iter().enumerate() {
             sent.extend(x.sending.iter().map(|id| (r, id.clone())));

@@ -32,3 +32,22 @@ pub struct PullMetrics {
     /// Handshakes completed.
     pub handshakes: u64,
 }
+
+impl PullMetrics {
+    /// Adds another rank's counters (for engine-wide stats across TP ranks).
+    pub fn merge(&mut self, o: &PullMetrics) {
+        self.transfers += o.transfers;
+        self.bytes += o.bytes;
+        self.descriptors_raw += o.descriptors_raw;
+        self.descriptors_posted += o.descriptors_posted;
+        self.post_time += o.post_time;
+        self.transfer_time += o.transfer_time;
+        self.failed_handshakes += o.failed_handshakes;
+        self.failed_setups += o.failed_setups;
+        self.failed_transfers += o.failed_transfers;
+        self.failed_notifications += o.failed_notifications;
+        self.expired_leases += o.expired_leases;
+        self.handshake_time += o.handshake_time;
+        self.handshakes += o.handshakes;
+    }
+}
