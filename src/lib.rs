@@ -5,6 +5,7 @@
 //! `inspect` report).
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod inspect;
 pub mod models;
 pub mod transports;

@@ -2,9 +2,14 @@
 
 use std::process::ExitCode;
 
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand, ValueEnum};
+use kvxfer::bench::{BenchConfig, Memory, Mode};
 use kvxfer::inspect::{InspectConfig, report};
 use kvxfer::models::ModelShape;
+use kvxfer::transports::TransportKind;
 use kvxfer_layout::BlockOrder;
 
 #[derive(Parser)]
@@ -26,8 +31,73 @@ enum Order {
     Nhd,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum MemoryArg {
+    /// Host (CPU) memory.
+    Host,
+    /// GPU memory (needs the `cuda` feature and a device).
+    Gpu,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    /// Decode READs from prefill (vLLM's NIXL connector style).
+    Pull,
+    /// Prefill WRITEs into decode (SGLang's style).
+    Push,
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Run a prefill and a decode engine in one process, move a batch of requests, verify
+    /// every byte, and print throughput, latency and the ratio to memcpy of the same bytes.
+    Bench {
+        /// Model preset: llama-3-8b, llama-3-70b or deepseek-v3.
+        #[arg(long, default_value = "llama-3-8b")]
+        model: ModelShape,
+        /// Tensor parallelism as PREFILL:DECODE, e.g. 2:4.
+        #[arg(long, default_value = "1:1", value_parser = parse_tp)]
+        tp: (u32, u32),
+        /// In-block order of the caches.
+        #[arg(long, value_enum, default_value = "hnd")]
+        order: Order,
+        /// Tokens per block.
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+        /// Blocks per region (raised to fit the requests in flight).
+        #[arg(long, default_value_t = 256)]
+        num_blocks: u32,
+        /// Measured requests.
+        #[arg(long, default_value_t = 16)]
+        requests: u32,
+        /// Tokens per request.
+        #[arg(long, default_value_t = 2048)]
+        tokens: u32,
+        /// Requests in flight at once.
+        #[arg(long, default_value_t = 1)]
+        concurrency: u32,
+        /// Unmeasured requests first (the first includes the handshake).
+        #[arg(long, default_value_t = 2)]
+        warmup: u32,
+        /// Use consecutive block ids instead of scattered ones.
+        #[arg(long)]
+        contiguous: bool,
+        /// Transport: loopback, ucx or nixl (only those compiled in).
+        #[arg(long, default_value = "loopback")]
+        transport: TransportKind,
+        /// Memory the caches live in.
+        #[arg(long, value_enum, default_value = "host")]
+        memory: MemoryArg,
+        /// Transfer style.
+        #[arg(long, value_enum, default_value = "pull")]
+        mode: ModeArg,
+        /// Seed of the block choice.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     Inspect {
         /// Model preset: llama-3-8b, llama-3-70b or deepseek-v3.
@@ -65,6 +135,48 @@ fn parse_tp(s: &str) -> Result<(u32, u32), String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Bench {
+            model,
+            tp,
+            order,
+            block_size,
+            num_blocks,
+            requests,
+            tokens,
+            concurrency,
+            warmup,
+            contiguous,
+            transport,
+            memory,
+            mode,
+            seed,
+            json,
+        } => {
+            let config = BenchConfig {
+                model,
+                order: block_order(order),
+                prefill_tp: tp.0,
+                decode_tp: tp.1,
+                block_size,
+                num_blocks,
+                requests,
+                tokens_per_request: tokens,
+                concurrency,
+                warmup,
+                fragmented: !contiguous,
+                transport,
+                memory: match memory {
+                    MemoryArg::Host => Memory::Host,
+                    MemoryArg::Gpu => Memory::Gpu,
+                },
+                mode: match mode {
+                    ModeArg::Pull => Mode::Pull,
+                    ModeArg::Push => Mode::Push,
+                },
+                seed,
+            };
+            bench(&config, json)
+        }
         Command::Inspect {
             model,
             tp,
@@ -76,10 +188,7 @@ fn main() -> ExitCode {
         } => {
             let config = InspectConfig {
                 model,
-                order: match order {
-                    Order::Hnd => BlockOrder::Hnd,
-                    Order::Nhd => BlockOrder::Nhd,
-                },
+                order: block_order(order),
                 prefill_tp: tp.0,
                 decode_tp: tp.1,
                 prefill_pp: pp,
@@ -97,6 +206,52 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
             }
+        }
+    }
+}
+
+fn block_order(o: Order) -> BlockOrder {
+    match o {
+        Order::Hnd => BlockOrder::Hnd,
+        Order::Nhd => BlockOrder::Nhd,
+    }
+}
+
+fn bench(config: &BenchConfig, json: Option<PathBuf>) -> ExitCode {
+    let show = std::io::stderr().is_terminal();
+    let mut progress = |done: u32, total: u32| {
+        if show {
+            let width = 30;
+            let filled = (done as usize * width) / total.max(1) as usize;
+            eprint!(
+                "\r  [{}{}] {done}/{total} requests",
+                "#".repeat(filled),
+                " ".repeat(width - filled)
+            );
+            if done == total {
+                eprintln!();
+            }
+        }
+    };
+    match kvxfer::bench::run(config, &mut progress) {
+        Ok(report) => {
+            print!("{}", report.table());
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                if let Err(e) = std::fs::write(&path, text) {
+                    eprintln!("error: cannot write {}: {e}", path.display());
+                    return ExitCode::from(2);
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e @ kvxfer::bench::BenchError::Verification(_)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
         }
     }
 }

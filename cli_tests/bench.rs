@@ -1,0 +1,113 @@
+//! Runs `kvxfer bench` as a user would, on small shapes, and checks what it prints and writes.
+
+use std::process::Command;
+
+fn kvxfer(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args(args)
+        .output()
+        .expect("run kvxfer");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const SMALL: &[&str] = &[
+    "bench",
+    "--num-blocks",
+    "8",
+    "--tokens",
+    "64",
+    "--requests",
+    "3",
+    "--warmup",
+    "1",
+];
+
+#[test]
+fn bench_prints_the_table_and_writes_json() {
+    let dir = std::env::temp_dir().join(format!("kvxfer-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("out.json");
+    let mut args = SMALL.to_vec();
+    let path = json.to_str().unwrap().to_string();
+    args.extend(["--json", &path]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "{err}");
+    for field in [
+        "throughput",
+        "requests/s",
+        "latency p50 / p99",
+        "descriptors raw -> posted",
+        "handshake",
+        "first transfer",
+        "ratio to memcpy",
+        "all correct",
+    ] {
+        assert!(out.contains(field), "missing {field}: {out}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "gb_per_s",
+        "requests_per_s",
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "descriptors_raw",
+        "descriptors_posted",
+        "handshake_ms",
+        "first_transfer_ms",
+        "memcpy_gb_per_s",
+        "ratio_to_memcpy",
+        "verified_bytes",
+    ] {
+        assert!(v.get(key).is_some(), "JSON lacks {key}: {v}");
+    }
+    assert_eq!(v["requests"], 3);
+    assert!(v["verified_bytes"].as_u64().unwrap() > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_hetero_tp_and_mla() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--tp", "2:4", "--order", "nhd"]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("TP 2:4") && out.contains("all correct"),
+        "{out}"
+    );
+    let mut args = SMALL.to_vec();
+    args.extend([
+        "--model",
+        "deepseek-v3",
+        "--tp",
+        "2:1",
+        "--concurrency",
+        "2",
+    ]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deepseek-v3"), "{out}");
+}
+
+#[test]
+fn bench_errors_are_clear() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "--transport", "ucx"], "--features ucx"),
+        (&["bench", "--transport", "nixl"], "--features nixl"),
+        (&["bench", "--transport", "tcp"], "unknown transport"),
+        (&["bench", "--memory", "gpu"], "GPU memory"),
+        (&["bench", "--mode", "push"], "push mode"),
+        (&["bench", "--tp", "3:1"], "not divisible"),
+        (&["bench", "--requests", "0"], "must be positive"),
+    ];
+    for (args, needle) in cases {
+        let (code, _, err) = kvxfer(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

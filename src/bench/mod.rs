@@ -1,0 +1,429 @@
+//! `kvxfer bench`: a prefill engine and a decode engine in one process, moving batches of
+//! requests over a transport and verifying every byte, measured against single-thread memcpy
+//! of the same bytes in the same run.
+
+mod fill;
+mod report;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::clock::SystemClock;
+use kvxfer_core::pull::{KvCache, PullConfig, PullMetrics, PullScheduler, PullWorker};
+use kvxfer_core::wire::params::KvTransferParams;
+use kvxfer_core::{MemoryKind, TransportError};
+use kvxfer_layout::{BlockOrder, CacheSpec, LayoutError, Side, TpMapping};
+
+use crate::models::ModelShape;
+use crate::transports::{AnyTransport, TransportKind, open};
+pub use report::BenchReport;
+
+/// Transfer style.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Decode READs (vLLM style).
+    Pull,
+    /// Prefill WRITEs (SGLang style).
+    Push,
+}
+
+/// Where the caches live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory.
+    Host,
+    /// GPU memory.
+    Gpu,
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Model shape.
+    pub model: ModelShape,
+    /// In-block order.
+    pub order: BlockOrder,
+    /// Prefill TP.
+    pub prefill_tp: u32,
+    /// Decode TP.
+    pub decode_tp: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Blocks per region (raised to fit `concurrency` requests).
+    pub num_blocks: u32,
+    /// Measured requests.
+    pub requests: u32,
+    /// Tokens per request.
+    pub tokens_per_request: u32,
+    /// Requests in flight at once.
+    pub concurrency: u32,
+    /// Unmeasured requests first (the first one includes the handshake).
+    pub warmup: u32,
+    /// Whether block ids are scattered (true) or consecutive (false).
+    pub fragmented: bool,
+    /// Transport.
+    pub transport: TransportKind,
+    /// Memory kind.
+    pub memory: Memory,
+    /// Transfer style.
+    pub mode: Mode,
+    /// Seed of the block choice.
+    pub seed: u64,
+}
+
+/// Why a bench could not run or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The configuration cannot run here.
+    #[error("{0}")]
+    Config(String),
+    /// A layout parameter is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The transport refused.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A load failed.
+    #[error("request {req} failed: {reason}")]
+    Failed {
+        /// Request id.
+        req: String,
+        /// Why.
+        reason: String,
+    },
+    /// Bytes arrived wrong.
+    #[error("verification failed: {0}")]
+    Verification(String),
+}
+
+struct Rank {
+    mem: Vec<u8>,
+    spec: CacheSpec,
+    first_head: u32,
+}
+
+impl Rank {
+    fn new(spec: CacheSpec, first_head: u32) -> Self {
+        // Touch every page up front, as an engine's preallocated cache is.
+        Rank {
+            mem: vec![0x5a; spec.total_bytes() as usize],
+            spec,
+            first_head,
+        }
+    }
+
+    fn kv(&mut self, model: &ModelShape) -> KvCache {
+        let base = self.mem.as_mut_ptr() as u64;
+        KvCache {
+            spec: self.spec,
+            bases: (0..u64::from(self.spec.num_regions()))
+                .map(|r| base + r * self.spec.region_len())
+                .collect(),
+            memory: MemoryKind::Host,
+            total_kv_heads: model.kv_heads,
+            total_layers: model.layers,
+            first_layer: 0,
+            layer_windows: None,
+        }
+    }
+}
+
+/// One side: ranks (memory) and their workers; workers drop first.
+struct EngineSide {
+    workers: Vec<PullWorker<AnyTransport>>,
+    ranks: Vec<Rank>,
+}
+
+impl Drop for EngineSide {
+    fn drop(&mut self) {
+        self.workers.clear();
+    }
+}
+
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+/// `n` sorted distinct blocks out of `range`, scattered or consecutive.
+fn choose(range: std::ops::Range<u32>, n: u32, fragmented: bool, state: &mut u64) -> Vec<u32> {
+    if !fragmented {
+        return (range.start..range.start + n).collect();
+    }
+    let mut all: Vec<u32> = range.collect();
+    for i in (1..all.len()).rev() {
+        let j = (xorshift(state) % (i as u64 + 1)) as usize;
+        all.swap(i, j);
+    }
+    let mut v = all[..n as usize].to_vec();
+    v.sort_unstable();
+    v
+}
+
+fn side(
+    c: &BenchConfig,
+    mapping: &TpMapping,
+    which: Side,
+    tp: u32,
+    num_blocks: u32,
+    name: &str,
+) -> Result<EngineSide, BenchError> {
+    let prefill = which == Side::Prefill;
+    let clock = Arc::new(SystemClock::default());
+    let mut seed = c.seed ^ 0x5bd1_e995;
+    for _attempt in 0..50 {
+        let base = if prefill {
+            20_000 + (xorshift(&mut seed) % 30_000) as u16
+        } else {
+            0
+        };
+        let mut ranks = Vec::new();
+        for r in 0..tp {
+            let heads = mapping.heads_of(which, r)?;
+            let spec = CacheSpec::new(c.model.rank_params(
+                c.order,
+                heads.count,
+                c.model.layers,
+                c.block_size,
+                num_blocks,
+            ))?;
+            let mut rank = Rank::new(spec, heads.first);
+            if prefill {
+                fill::fill(&mut rank.mem, &spec, heads.first);
+            }
+            ranks.push(rank);
+        }
+        let mut workers = Vec::new();
+        let mut retry = false;
+        for r in 0..tp {
+            let mut cfg = PullConfig::new(name, r, tp);
+            cfg.side_channel_port = base;
+            let kv = ranks[r as usize].kv(&c.model);
+            let transport = open(c.transport, &format!("{name}-{r}"))?;
+            match PullWorker::new(transport, cfg, kv, clock.clone()) {
+                Ok(w) => workers.push(w),
+                Err(kvxfer_core::pull::PullError::SideChannel(_)) if prefill => {
+                    retry = true;
+                    break;
+                }
+                Err(e) => return Err(BenchError::Config(e.to_string())),
+            }
+        }
+        if !retry {
+            return Ok(EngineSide { workers, ranks });
+        }
+    }
+    Err(BenchError::Config(
+        "no free port range for the prefill listeners".into(),
+    ))
+}
+
+/// Runs the bench. `progress(done, total)` is called as requests finish.
+pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchReport, BenchError> {
+    if !c.transport.compiled() {
+        return Err(BenchError::Config(format!(
+            "the {} transport is not compiled in; rebuild with `--features {}`",
+            c.transport,
+            c.transport.feature()
+        )));
+    }
+    if c.memory == Memory::Gpu {
+        return Err(BenchError::Config(
+            "GPU memory in `bench` is not supported yet; use --memory host (the loopback's GPU path is exercised by `cargo test --features cuda` on a machine with a device)".into(),
+        ));
+    }
+    if c.mode == Mode::Push {
+        return Err(BenchError::Config(
+            "push mode is not available yet; use --mode pull".into(),
+        ));
+    }
+    if c.requests == 0 || c.concurrency == 0 || c.tokens_per_request == 0 || c.block_size == 0 {
+        return Err(BenchError::Config(
+            "requests, concurrency, tokens per request and block size must be positive".into(),
+        ));
+    }
+    let per_request = c.tokens_per_request.div_ceil(c.block_size);
+    let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
+    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
+    let mut pre = side(
+        c,
+        &mapping,
+        Side::Prefill,
+        c.prefill_tp,
+        num_blocks,
+        "bench-prefill",
+    )?;
+    let mut dec = side(
+        c,
+        &mapping,
+        Side::Decode,
+        c.decode_tp,
+        num_blocks,
+        "bench-decode",
+    )?;
+    let port = pre.workers[0].listener_port().unwrap_or(0);
+    // The listeners bound base + rank; rank 0's port is the base.
+    let mut psched = PullScheduler::new("bench-prefill", "127.0.0.1", port);
+    let mut dsched = PullScheduler::new("bench-decode", "127.0.0.1", 0);
+    let mut state = c.seed | 1;
+    let total = c.warmup + c.requests;
+    let mut report = BenchReport::default();
+    let mut latencies = Vec::new();
+    let mut measured = Duration::ZERO;
+    let mut metrics = PullMetrics::default();
+    let mut moved = 0u64;
+    let mut next = 0u32;
+    while next < total {
+        let wave: Vec<u32> = (next..total.min(next + c.concurrency)).collect();
+        next += wave.len() as u32;
+        let mut jobs = Vec::new();
+        for (slot, &i) in wave.iter().enumerate() {
+            let id = format!("req-{i}");
+            let part = num_blocks / c.concurrency;
+            let local = choose(
+                slot as u32 * part..(slot as u32 + 1) * part,
+                per_request,
+                c.fragmented,
+                &mut state,
+            );
+            let remote = choose(0..num_blocks, per_request, c.fragmented, &mut state);
+            let asks = KvTransferParams {
+                do_remote_decode: true,
+                ..Default::default()
+            };
+            let decision = psched.request_finished(&id, Some(&asks), true, &remote);
+            let mut params = decision
+                .params
+                .ok_or_else(|| BenchError::Config("prefill did not hold the request".into()))?;
+            dsched
+                .after_alloc(&id, &mut params, &local, c.tokens_per_request as usize)
+                .map_err(|e| BenchError::Config(e.to_string()))?;
+            jobs.push((id, remote, local));
+        }
+        let hold = psched.build_step_meta();
+        for w in &mut pre.workers {
+            w.start_load_kv(&hold);
+        }
+        let meta = dsched.build_step_meta();
+        let start = Instant::now();
+        for w in &mut dec.workers {
+            w.start_load_kv(&meta);
+        }
+        let mut done: Vec<Vec<bool>> = vec![vec![false; c.decode_tp as usize]; jobs.len()];
+        let mut finished_at = vec![None; jobs.len()];
+        while finished_at.iter().any(Option::is_none) {
+            for (r, w) in dec.workers.iter_mut().enumerate() {
+                let f = w.get_finished();
+                if let Some(failed) = f.failed.first() {
+                    return Err(BenchError::Failed {
+                        req: failed.req_id.clone(),
+                        reason: failed.reason.clone(),
+                    });
+                }
+                for id in f.recving {
+                    if let Some(j) = jobs.iter().position(|(jid, _, _)| *jid == id) {
+                        done[j][r] = true;
+                        if done[j].iter().all(|&x| x) && finished_at[j].is_none() {
+                            finished_at[j] = Some(start.elapsed());
+                        }
+                    }
+                }
+            }
+            for w in &mut pre.workers {
+                w.get_finished();
+            }
+            if start.elapsed() > Duration::from_secs(300) {
+                return Err(BenchError::Config(
+                    "a wave of requests did not finish within 300 s".into(),
+                ));
+            }
+            std::thread::yield_now();
+        }
+        let wave_time = finished_at
+            .iter()
+            .flatten()
+            .max()
+            .copied()
+            .unwrap_or_default();
+        let mut wave_metrics = PullMetrics::default();
+        for w in &mut dec.workers {
+            wave_metrics.merge(&w.take_metrics());
+        }
+        // Verify every byte of every request on every decode rank.
+        for (id, remote, local) in &jobs {
+            let pairs: Vec<(u32, u32)> =
+                remote.iter().copied().zip(local.iter().copied()).collect();
+            for (r, rank) in dec.ranks.iter().enumerate() {
+                let checked = fill::verify(&rank.mem, &rank.spec, rank.first_head, &pairs)
+                    .map_err(|e| {
+                        BenchError::Verification(format!("{id} on decode rank {r}: {e}"))
+                    })?;
+                report.verified_bytes += checked;
+            }
+        }
+        if wave[0] < c.warmup {
+            if wave[0] == 0 {
+                report.first_transfer_ms = ms(finished_at[0].unwrap_or_default());
+                report.handshake_ms =
+                    ms(wave_metrics.handshake_time) / wave_metrics.handshakes.max(1) as f64;
+            }
+        } else {
+            measured += wave_time;
+            latencies.extend(finished_at.iter().flatten().copied());
+            moved += wave_metrics.bytes;
+            metrics.merge(&wave_metrics);
+            report.requests += jobs.len() as u32;
+        }
+        progress(next, total);
+    }
+    // Single-thread memcpy of the same number of bytes, in pieces of one decode block part.
+    let piece = dec.ranks[0].spec.block_len() as usize;
+    let src = &pre.ranks[0].mem;
+    let mut scratch = vec![1u8; src.len().min(256 << 20)];
+    let t = Instant::now();
+    let mut copied = 0u64;
+    let (mut s_at, mut d_at) = (0usize, 0usize);
+    while copied < moved {
+        let n = piece
+            .min((moved - copied) as usize)
+            .min(src.len())
+            .min(scratch.len());
+        if s_at + n > src.len() {
+            s_at = 0;
+        }
+        if d_at + n > scratch.len() {
+            d_at = 0;
+        }
+        scratch[d_at..d_at + n].copy_from_slice(&src[s_at..s_at + n]);
+        std::hint::black_box(&scratch);
+        s_at += n;
+        d_at += n;
+        copied += n as u64;
+    }
+    let memcpy = t.elapsed();
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len().max(1) - 1) as f64 * p) as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    report.bytes = moved;
+    report.seconds = measured.as_secs_f64();
+    report.gb_per_s = moved as f64 / measured.as_secs_f64().max(1e-9) / 1e9;
+    report.requests_per_s = f64::from(report.requests) / measured.as_secs_f64().max(1e-9);
+    report.latency_p50_ms = ms(pct(0.5));
+    report.latency_p99_ms = ms(pct(0.99));
+    report.descriptors_raw = metrics.descriptors_raw;
+    report.descriptors_posted = metrics.descriptors_posted;
+    report.memcpy_gb_per_s = moved as f64 / memcpy.as_secs_f64().max(1e-9) / 1e9;
+    report.ratio_to_memcpy = memcpy.as_secs_f64() / measured.as_secs_f64().max(1e-9);
+    report.describe(c);
+    Ok(report)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

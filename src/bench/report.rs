@@ -1,0 +1,113 @@
+//! The bench's results: a readable table and a JSON form.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::{BenchConfig, Mode};
+
+/// Results of one bench run (JSON keys are the field names).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchReport {
+    /// Model preset.
+    pub model: String,
+    /// `P:D`.
+    pub tp: String,
+    /// Transport.
+    pub transport: String,
+    /// `pull` or `push`.
+    pub mode: String,
+    /// Tokens per request.
+    pub tokens_per_request: u32,
+    /// Measured requests.
+    pub requests: u32,
+    /// Bytes moved by them.
+    pub bytes: u64,
+    /// Seconds they took (waves, verification excluded).
+    pub seconds: f64,
+    /// Throughput.
+    pub gb_per_s: f64,
+    /// Requests per second.
+    pub requests_per_s: f64,
+    /// Median request latency.
+    pub latency_p50_ms: f64,
+    /// 99th percentile request latency.
+    pub latency_p99_ms: f64,
+    /// Descriptors before coalescing.
+    pub descriptors_raw: u64,
+    /// Descriptors posted.
+    pub descriptors_posted: u64,
+    /// Mean handshake time.
+    pub handshake_ms: f64,
+    /// Latency of the first request (handshake included).
+    pub first_transfer_ms: f64,
+    /// Single-thread memcpy of the same bytes.
+    pub memcpy_gb_per_s: f64,
+    /// Throughput divided by memcpy's.
+    pub ratio_to_memcpy: f64,
+    /// Bytes compared against the prefill's contents.
+    pub verified_bytes: u64,
+}
+
+impl BenchReport {
+    pub(super) fn describe(&mut self, c: &BenchConfig) {
+        self.model = c.model.name.to_string();
+        self.tp = format!("{}:{}", c.prefill_tp, c.decode_tp);
+        self.transport = c.transport.to_string();
+        self.mode = match c.mode {
+            Mode::Pull => "pull".into(),
+            Mode::Push => "push".into(),
+        };
+        self.tokens_per_request = c.tokens_per_request;
+    }
+
+    /// The table printed by `kvxfer bench`.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let rows: Vec<(&str, String)> = vec![
+            (
+                "model",
+                format!(
+                    "{} (TP {}), {} mode over {}",
+                    self.model, self.tp, self.mode, self.transport
+                ),
+            ),
+            (
+                "requests",
+                format!("{} x {} tokens", self.requests, self.tokens_per_request),
+            ),
+            ("throughput", format!("{:.2} GB/s", self.gb_per_s)),
+            ("requests/s", format!("{:.1}", self.requests_per_s)),
+            (
+                "latency p50 / p99",
+                format!(
+                    "{:.2} ms / {:.2} ms",
+                    self.latency_p50_ms, self.latency_p99_ms
+                ),
+            ),
+            (
+                "descriptors raw -> posted",
+                format!("{} -> {}", self.descriptors_raw, self.descriptors_posted),
+            ),
+            ("handshake", format!("{:.2} ms", self.handshake_ms)),
+            (
+                "first transfer",
+                format!("{:.2} ms (handshake included)", self.first_transfer_ms),
+            ),
+            (
+                "memcpy, same bytes",
+                format!("{:.2} GB/s (1 thread)", self.memcpy_gb_per_s),
+            ),
+            ("ratio to memcpy", format!("{:.2}x", self.ratio_to_memcpy)),
+            (
+                "verified",
+                format!("{} bytes, all correct", self.verified_bytes),
+            ),
+        ];
+        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        for (k, v) in rows {
+            let _ = writeln!(s, "  {k:<width$}  {v}");
+        }
+        s
+    }
+}
