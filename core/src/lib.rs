@@ -8,6 +8,7 @@
 pub mod clock;
 pub mod plan;
 pub mod pull;
+pub mod push;
 pub mod sidechannel;
 pub mod transport;
 pub mod wire;

@@ -46,6 +46,28 @@ pub fn fetch_metadata(
     timeout: Duration,
     max_reply: usize,
 ) -> Result<HandshakeMeta, FetchError> {
+    let request = match rank {
+        None => GET_META_MSG.to_vec(),
+        Some(r) => {
+            rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), r)).unwrap_or_default()
+        }
+    };
+    let reply = request_bytes(host, port, &request, timeout, max_reply)?;
+    HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
+        endpoint: endpoint(host, port),
+        error,
+    })
+}
+
+/// Sends one request and waits (at most `timeout`) for the reply, refusing replies larger
+/// than `max_reply`.
+pub fn request_bytes(
+    host: &str,
+    port: u16,
+    request: &[u8],
+    timeout: Duration,
+    max_reply: usize,
+) -> Result<Vec<u8>, FetchError> {
     let ep = endpoint(host, port);
     let sock_err = |e: zmq::Error| FetchError::Socket {
         endpoint: ep.clone(),
@@ -63,12 +85,6 @@ pub fn fetch_metadata(
         .set_maxmsgsize(i64::try_from(max_reply).unwrap_or(i64::MAX))
         .map_err(sock_err)?;
     socket.connect(&ep).map_err(sock_err)?;
-    let request = match rank {
-        None => GET_META_MSG.to_vec(),
-        Some(r) => {
-            rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), r)).unwrap_or_default()
-        }
-    };
     let timed_out = || FetchError::Timeout {
         endpoint: ep.clone(),
         timeout,
@@ -78,13 +94,9 @@ pub fn fetch_metadata(
         Err(zmq::Error::EAGAIN) => return Err(timed_out()),
         Err(e) => return Err(sock_err(e)),
     }
-    let reply = match socket.recv_bytes(0) {
-        Ok(r) => r,
-        Err(zmq::Error::EAGAIN) => return Err(timed_out()),
-        Err(e) => return Err(sock_err(e)),
-    };
-    HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
-        endpoint: ep.clone(),
-        error,
-    })
+    match socket.recv_bytes(0) {
+        Ok(r) => Ok(r),
+        Err(zmq::Error::EAGAIN) => Err(timed_out()),
+        Err(e) => Err(sock_err(e)),
+    }
 }

@@ -4,9 +4,11 @@
 
 mod client;
 mod listener;
+mod server;
 
-pub use client::{FetchError, fetch_metadata};
+pub use client::{FetchError, fetch_metadata, request_bytes};
 pub use listener::{Listener, ListenerStats, MAX_REQUEST_BYTES};
+pub use server::{Handler, MessageServer};
 
 use std::sync::OnceLock;
 

@@ -1,0 +1,328 @@
+//! Push-mode messages: decode → prefill control messages and registry requests (msgpack
+//! maps with a `kind` tag), and the prefill → decode notification strings.
+
+use serde::{Deserialize, Serialize};
+
+use crate::wire::handshake::LayoutWire;
+use crate::wire::{WireError, check_size};
+
+/// Largest control message accepted (agent metadata of large registrations included).
+pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
+/// Most pages one room may name.
+pub const MAX_ROOM_PAGES: usize = 1 << 22;
+
+/// An aux or state buffer: `items` items of `item_len` bytes from `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferWire {
+    /// Base address.
+    pub base: u64,
+    /// Bytes per item.
+    pub item_len: u64,
+    /// Number of items.
+    pub items: u32,
+}
+
+/// What a decode rank registers once with each prefill rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterArgs {
+    /// Decode agent name.
+    pub agent: String,
+    /// Decode transport metadata.
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
+    /// Decode KV layout (all layers).
+    pub layout: LayoutWire,
+    /// Decode KV region bases.
+    pub kv_bases: Vec<u64>,
+    /// Decode aux buffers.
+    pub aux: Vec<BufferWire>,
+    /// Decode state buffers.
+    pub state: Vec<BufferWire>,
+    /// Decode TP size.
+    pub tp_size: u32,
+    /// Decode TP rank.
+    pub tp_rank: u32,
+}
+
+/// A room's destinations, sent by a decode rank to every prefill rank it needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoomRequest {
+    /// Room id.
+    pub room: u64,
+    /// Decode agent name (registered before).
+    pub agent: String,
+    /// Destination pages; empty for a dummy destination (no data, status only).
+    pub pages: Vec<u32>,
+    /// Destination aux index.
+    pub aux_index: Option<u32>,
+    /// Destination state indices.
+    pub state_indices: Vec<u32>,
+}
+
+/// Decode → prefill rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum ToPrefill {
+    /// Register buffers (once per prefill instance).
+    Register(RegisterArgs),
+    /// A room's destinations.
+    Room(RoomRequest),
+    /// The decode gave up on a room.
+    Abort {
+        /// Room id.
+        room: u64,
+        /// Decode agent.
+        agent: String,
+    },
+    /// Liveness probe.
+    Health,
+}
+
+/// One prefill rank as registered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankInfo {
+    /// TP size.
+    pub tp_size: u32,
+    /// TP rank.
+    pub tp_rank: u32,
+    /// PP size.
+    pub pp_size: u32,
+    /// PP rank.
+    pub pp_rank: u32,
+    /// DP size.
+    pub dp_size: u32,
+    /// DP rank.
+    pub dp_rank: u32,
+    /// Mailbox host.
+    pub host: String,
+    /// Mailbox port.
+    pub port: u16,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// KV dtype name.
+    pub dtype: String,
+    /// First global layer of the rank's stage.
+    pub first_layer: u32,
+    /// Layers of the stage.
+    pub num_layers: u32,
+}
+
+/// Requests to the bootstrap registry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum ToRegistry {
+    /// A prefill rank registers.
+    Register(RankInfo),
+    /// A decode asks for the prefill's layout.
+    Query,
+    /// Liveness probe.
+    Health,
+}
+
+/// Registry replies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum FromRegistry {
+    /// Accepted.
+    Ok,
+    /// Not every rank registered yet.
+    NotReady {
+        /// Ranks registered.
+        registered: u32,
+        /// Ranks expected.
+        expected: u32,
+    },
+    /// The complete prefill layout.
+    Layout {
+        /// Identity of this prefill instance (changes when it restarts).
+        instance: u64,
+        /// Every rank.
+        ranks: Vec<RankInfo>,
+    },
+    /// Refused.
+    Error {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Replies of a prefill rank's mailbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum FromPrefill {
+    /// Accepted.
+    Ok,
+    /// Refused.
+    Error {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Encodes a message as a msgpack map.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    rmp_serde::to_vec_named(msg).unwrap_or_default()
+}
+
+/// Decodes an untrusted message: size-limited, typed errors.
+pub fn decode<T: for<'de> Deserialize<'de>>(
+    bytes: &[u8],
+    what: &'static str,
+) -> Result<T, WireError> {
+    check_size(bytes, MAX_MESSAGE_BYTES)?;
+    rmp_serde::from_slice(bytes).map_err(|e| WireError::Malformed {
+        what,
+        reason: e.to_string(),
+    })
+}
+
+/// Prefill → decode notification of a KV chunk.
+pub fn kv_note(room: u64, chunk: u32, is_last: bool, pp_rank: u32) -> Vec<u8> {
+    format!("{room}_kv_{chunk}_{}_{pp_rank}", u8::from(is_last)).into_bytes()
+}
+
+/// Prefill → decode notification of aux data.
+pub fn aux_note(room: u64) -> Vec<u8> {
+    format!("{room}_aux").into_bytes()
+}
+
+/// Prefill → decode notification of state data.
+pub fn state_note(room: u64, pp_rank: u32) -> Vec<u8> {
+    format!("{room}_state_{pp_rank}").into_bytes()
+}
+
+/// Prefill → decode: the prefill aborted the room.
+pub fn abort_note(room: u64) -> Vec<u8> {
+    format!("{room}_abort").into_bytes()
+}
+
+/// A parsed prefill → decode notification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushNote {
+    /// A KV chunk arrived.
+    Kv {
+        /// Room.
+        room: u64,
+        /// Chunk id.
+        chunk: u32,
+        /// Last chunk of this writer.
+        is_last: bool,
+        /// Writer's PP rank.
+        pp_rank: u32,
+    },
+    /// Aux data arrived.
+    Aux {
+        /// Room.
+        room: u64,
+    },
+    /// State data of a PP stage arrived.
+    State {
+        /// Room.
+        room: u64,
+        /// Writer's PP rank.
+        pp_rank: u32,
+    },
+    /// The prefill aborted.
+    Abort {
+        /// Room.
+        room: u64,
+    },
+}
+
+/// Parses a notification; anything else is `None`.
+pub fn parse_note(message: &[u8]) -> Option<PushNote> {
+    let text = std::str::from_utf8(message).ok()?;
+    let mut parts = text.split('_');
+    let room: u64 = parts.next()?.parse().ok()?;
+    let note = match (parts.next()?, parts.next(), parts.next(), parts.next()) {
+        ("kv", Some(c), Some(l), Some(p)) => PushNote::Kv {
+            room,
+            chunk: c.parse().ok()?,
+            is_last: match l {
+                "0" => false,
+                "1" => true,
+                _ => return None,
+            },
+            pp_rank: p.parse().ok()?,
+        },
+        ("aux", None, None, None) => PushNote::Aux { room },
+        ("state", Some(p), None, None) => PushNote::State {
+            room,
+            pp_rank: p.parse().ok()?,
+        },
+        ("abort", None, None, None) => PushNote::Abort { room },
+        _ => return None,
+    };
+    parts.next().is_none().then_some(note)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_round_trip_and_junk_is_none() {
+        assert_eq!(
+            parse_note(&kv_note(7, 2, true, 1)),
+            Some(PushNote::Kv {
+                room: 7,
+                chunk: 2,
+                is_last: true,
+                pp_rank: 1
+            })
+        );
+        assert_eq!(parse_note(&aux_note(7)), Some(PushNote::Aux { room: 7 }));
+        assert_eq!(
+            parse_note(&state_note(7, 3)),
+            Some(PushNote::State {
+                room: 7,
+                pp_rank: 3
+            })
+        );
+        assert_eq!(
+            parse_note(&abort_note(9)),
+            Some(PushNote::Abort { room: 9 })
+        );
+        for junk in [
+            &b""[..],
+            b"7",
+            b"7_kv",
+            b"7_kv_1_2_0",
+            b"x_aux",
+            b"7_aux_1",
+            b"7_kv_1_1_0_9",
+            b"\xff",
+        ] {
+            assert_eq!(parse_note(junk), None, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_an_error() {
+        let m = ToPrefill::Room(RoomRequest {
+            room: 5,
+            agent: "d0".into(),
+            pages: vec![1, 2],
+            aux_index: Some(0),
+            state_indices: vec![],
+        });
+        assert_eq!(decode::<ToPrefill>(&encode(&m), "msg").unwrap(), m);
+        assert_eq!(
+            decode::<ToPrefill>(&encode(&ToPrefill::Health), "msg").unwrap(),
+            ToPrefill::Health
+        );
+        for bad in [
+            &b""[..],
+            b"\x81\xa4kind\xa4Nope",
+            b"\xc1",
+            &[0xdd, 0xff, 0xff, 0xff, 0xff],
+        ] {
+            assert!(decode::<ToPrefill>(bad, "msg").is_err());
+        }
+        let r = FromRegistry::NotReady {
+            registered: 1,
+            expected: 2,
+        };
+        assert_eq!(decode::<FromRegistry>(&encode(&r), "reply").unwrap(), r);
+    }
+}
