@@ -8,3 +8,4 @@
 pub mod conformance;
 pub mod memory;
 pub mod pull_env;
+pub mod push_env;

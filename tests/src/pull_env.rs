@@ -65,7 +65,8 @@ impl Model {
         }
     }
 
-    fn sharding(&self) -> HeadSharding {
+    /// How heads shard across TP.
+    pub fn sharding(&self) -> HeadSharding {
         if self.kind == CacheKind::Mla {
             HeadSharding::Replicated
         } else {
@@ -75,12 +76,18 @@ impl Model {
         }
     }
 
-    fn spec(&self, heads: u32) -> CacheSpec {
+    /// The spec of a rank holding `heads` heads of every layer.
+    pub fn spec(&self, heads: u32) -> CacheSpec {
+        self.stage_spec(heads, self.layers)
+    }
+
+    /// The spec of a rank holding `heads` heads of `layers` layers.
+    pub fn stage_spec(&self, heads: u32, layers: u32) -> CacheSpec {
         CacheSpec::new(CacheParams {
             kind: self.kind,
             order: self.order,
             dtype: self.dtype,
-            num_layers: self.layers,
+            num_layers: layers,
             kv_heads: heads,
             head_dim: self.head_dim,
             tokens_per_block: self.tokens,
@@ -122,17 +129,32 @@ pub struct RankCache {
     pub mem: Vec<u8>,
     /// First global head held.
     pub first_head: u32,
+    /// Global index of the first layer held (pipeline stages).
+    pub first_layer: u32,
     addr: u64,
 }
 
 impl RankCache {
-    fn new(spec: CacheSpec, first_head: u32, fill_identity: bool) -> Self {
+    /// A cache of `spec` holding heads from `first_head`; prefill caches are filled with
+    /// their identity bytes, decode caches with guard bytes.
+    pub fn new(spec: CacheSpec, first_head: u32, fill_identity: bool) -> Self {
+        Self::with_layers(spec, first_head, 0, fill_identity)
+    }
+
+    /// Like [`RankCache::new`] for a pipeline stage starting at global layer `first_layer`.
+    pub fn with_layers(
+        spec: CacheSpec,
+        first_head: u32,
+        first_layer: u32,
+        fill_identity: bool,
+    ) -> Self {
         let mut mem = vec![GUARD; spec.total_bytes() as usize];
         let addr = mem.as_mut_ptr() as u64;
         let mut c = RankCache {
             mem,
             spec,
             first_head,
+            first_layer,
             addr,
         };
         if fill_identity {
@@ -169,8 +191,14 @@ impl RankCache {
                         for h in 0..s.kv_heads() {
                             let (at, len) = self.offset(layer, part, b, t, h);
                             for e in 0..len {
-                                self.mem[at + e] =
-                                    element_byte(layer, part, b, t, self.first_head + h, e as u64);
+                                self.mem[at + e] = element_byte(
+                                    self.first_layer + layer,
+                                    part,
+                                    b,
+                                    t,
+                                    self.first_head + h,
+                                    e as u64,
+                                );
                             }
                         }
                     }
@@ -193,7 +221,7 @@ impl RankCache {
                             for e in 0..len {
                                 let want = match src {
                                     Some(sb) => element_byte(
-                                        layer,
+                                        self.first_layer + layer,
                                         part,
                                         sb,
                                         t,

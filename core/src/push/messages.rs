@@ -81,6 +81,8 @@ pub enum ToPrefill {
 /// One prefill rank as registered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankInfo {
+    /// Transport agent name (the `from` of its notifications).
+    pub agent: String,
     /// TP size.
     pub tp_size: u32,
     /// TP rank.

@@ -2,9 +2,15 @@
 //! SGLang NIXL connector's behaviour), with a bootstrap registry, chunked sends, pipeline
 //! stages and liveness.
 
+mod buffers;
+mod decode;
 pub mod messages;
+mod prefill;
 mod registry;
 mod status;
 
+pub use buffers::{PushBuffers, StateKind};
+pub use decode::{PushDecode, PushDecodeConfig};
+pub use prefill::{PushError, PushPrefill, PushPrefillConfig};
 pub use registry::{BootstrapRegistry, ask_registry};
 pub use status::RoomStatus;

@@ -149,6 +149,7 @@ mod tests {
 
     fn rank(tp_rank: u32, pp_rank: u32) -> RankInfo {
         RankInfo {
+            agent: format!("p{tp_rank}"),
             tp_size: 2,
             tp_rank,
             pp_size: 1,

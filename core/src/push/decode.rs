@@ -1,0 +1,651 @@
+//! The decode side of the push connector: per room, learns the prefill's layout from its
+//! bootstrap registry, registers its buffers with each prefill rank it needs (once per
+//! prefill instance), sends the room's destinations (dummy messages to ranks that only need
+//! to complete their status), and tracks chunk, aux and state notifications until the room
+//! is complete. All side-channel traffic runs on a control thread; `poll` never blocks.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
+
+use super::buffers::PushBuffers;
+use super::messages::{
+    self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, PushNote, RankInfo, RegisterArgs,
+    RoomRequest, ToPrefill, ToRegistry,
+};
+use super::registry::ask_registry;
+use super::status::RoomStatus;
+use crate::clock::Clock;
+use crate::sidechannel::request_bytes;
+use crate::transport::{Registration, Transport};
+use crate::wire::handshake::LayoutWire;
+
+/// Settings of a decode rank.
+#[derive(Debug, Clone)]
+pub struct PushDecodeConfig {
+    /// TP rank and size.
+    pub tp: (u32, u32),
+    /// Rooms not complete after this long fail.
+    pub waiting_timeout: Duration,
+    /// How long to wait for a registry that answers "not ready".
+    pub bootstrap_timeout: Duration,
+    /// Liveness probe interval (the reference uses max(interval, 2 s)).
+    pub heartbeat_interval: Duration,
+    /// Consecutive failed probes after which a prefill is declared dead.
+    pub max_heartbeat_failures: u32,
+    /// Bound on each side-channel request.
+    pub request_timeout: Duration,
+}
+
+impl PushDecodeConfig {
+    /// Defaults of the reference (5 s heartbeats, 2 misses, 300 s waiting timeout).
+    pub fn new(tp_rank: u32, tp_size: u32) -> Self {
+        PushDecodeConfig {
+            tp: (tp_rank, tp_size),
+            waiting_timeout: Duration::from_secs(300),
+            bootstrap_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(5),
+            max_heartbeat_failures: 2,
+            request_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+type Addr = (String, u16);
+
+/// (TP rank, PP rank) of prefill ranks this decode rank registered with.
+type Registered = HashSet<(u32, u32)>;
+
+/// A bootstrap's result: prefill instance, its ranks, and where we are registered.
+type Bootstrapped = (u64, Vec<RankInfo>, Registered);
+
+/// A writer of this decode rank's data: prefill agent and its PP stage.
+type Writer = (String, u32);
+
+struct Expectation {
+    writers: HashSet<Writer>,
+    aux_from: Option<String>,
+    state_stages: u32,
+}
+
+struct DecodeRoom {
+    addr: Addr,
+    status: RoomStatus,
+    created: Duration,
+    pages: Vec<u32>,
+    aux_index: Option<u32>,
+    state_indices: Vec<u32>,
+    expect: Option<Expectation>,
+    chunks: HashMap<Writer, (HashSet<u32>, Option<u32>)>,
+    aux: bool,
+    states: HashSet<u32>,
+    ranks: Vec<RankInfo>,
+    error: Option<String>,
+}
+
+impl DecodeRoom {
+    fn fail(&mut self, reason: String) {
+        if !self.status.is_final() {
+            tracing::warn!(%reason, "push room failed on decode");
+            self.error.get_or_insert(reason);
+            self.status = RoomStatus::Failed;
+        }
+    }
+
+    fn complete(&self) -> bool {
+        let Some(e) = &self.expect else { return false };
+        let kv = e.writers.iter().all(|w| match self.chunks.get(w) {
+            Some((got, Some(n))) => got.len() as u32 == *n,
+            _ => false,
+        });
+        let aux = e.aux_from.is_none() || self.aux;
+        let state = self.states.len() as u32 >= e.state_stages;
+        kv && aux && state
+    }
+}
+
+enum Job {
+    Bootstrap {
+        room: u64,
+        addr: Addr,
+        req: RoomRequest,
+        known: Option<(u64, HashSet<(u32, u32)>)>,
+    },
+    Probe {
+        addr: Addr,
+    },
+    Abort {
+        room: u64,
+        ranks: Vec<RankInfo>,
+    },
+}
+
+enum Done {
+    Bootstrapped {
+        room: u64,
+        addr: Addr,
+        instance: u64,
+        ranks: Vec<RankInfo>,
+        registered: HashSet<(u32, u32)>,
+    },
+    BootstrapFailed {
+        room: u64,
+        reason: String,
+    },
+    Probed {
+        addr: Addr,
+        ok: bool,
+    },
+}
+
+struct Prefill {
+    instance: u64,
+    registered: HashSet<(u32, u32)>,
+    failures: u32,
+    last_probe: Duration,
+    probing: bool,
+}
+
+/// One decode rank.
+pub struct PushDecode<T: Transport> {
+    transport: T,
+    config: PushDecodeConfig,
+    clock: Arc<dyn Clock>,
+    _registrations: Vec<Registration>,
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+    prefills: HashMap<Addr, Prefill>,
+    rooms: HashMap<u64, DecodeRoom>,
+    unknown_notifications: u64,
+    sharding: HeadSharding,
+}
+
+impl<T: Transport> PushDecode<T> {
+    /// Registers memory and starts the control thread.
+    pub fn new(
+        mut transport: T,
+        config: PushDecodeConfig,
+        bufs: PushBuffers,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, String> {
+        let registrations = bufs.register(&mut transport).map_err(|e| e.to_string())?;
+        let kv = &bufs.kv;
+        let args = RegisterArgs {
+            agent: transport.name().to_string(),
+            agent_metadata: transport.metadata().map_err(|e| e.to_string())?,
+            layout: LayoutWire::from_spec(&kv.spec, kv.total_kv_heads, kv.total_layers, 0),
+            kv_bases: kv.bases.clone(),
+            aux: bufs.aux.clone(),
+            state: bufs.state.clone(),
+            tp_size: config.tp.1,
+            tp_rank: config.tp.0,
+        };
+        let (jobs, job_rx) = unbounded::<Job>();
+        let (done_tx, done) = unbounded::<Done>();
+        let ctl = Control {
+            args,
+            config: config.clone(),
+            sharding: kv.sharding(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-push-{}", transport.name()))
+            .spawn(move || {
+                for job in job_rx {
+                    let _ = done_tx.send(ctl.run(job));
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(PushDecode {
+            transport,
+            config,
+            clock,
+            _registrations: registrations,
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+            prefills: HashMap::new(),
+            rooms: HashMap::new(),
+            unknown_notifications: 0,
+            sharding: bufs.kv.sharding(),
+        })
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// Notifications that matched no room or writer (dropped and counted).
+    pub fn unknown_notifications(&self) -> u64 {
+        self.unknown_notifications
+    }
+
+    /// Starts receiving `room` from the prefill whose registry is at `addr`: destination
+    /// `pages` (empty for a rank that only completes its status), `aux_index`, `state_indices`.
+    pub fn add_room(
+        &mut self,
+        room: u64,
+        addr: (&str, u16),
+        pages: Vec<u32>,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+    ) {
+        let addr = (addr.0.to_string(), addr.1);
+        let req = RoomRequest {
+            room,
+            agent: self.transport.name().to_string(),
+            pages: pages.clone(),
+            aux_index,
+            state_indices: state_indices.clone(),
+        };
+        let known = self
+            .prefills
+            .get(&addr)
+            .map(|p| (p.instance, p.registered.clone()));
+        self.rooms.insert(
+            room,
+            DecodeRoom {
+                addr: addr.clone(),
+                status: RoomStatus::Bootstrapping,
+                created: self.clock.now(),
+                pages,
+                aux_index,
+                state_indices,
+                expect: None,
+                chunks: HashMap::new(),
+                aux: false,
+                states: HashSet::new(),
+                ranks: Vec::new(),
+                error: None,
+            },
+        );
+        self.submit(Job::Bootstrap {
+            room,
+            addr,
+            req,
+            known,
+        });
+    }
+
+    fn submit(&mut self, job: Job) {
+        if let Some(tx) = &self.jobs {
+            let _ = tx.send(job);
+        }
+    }
+
+    /// Status of a room.
+    pub fn status(&self, room: u64) -> Option<RoomStatus> {
+        self.rooms.get(&room).map(|r| r.status)
+    }
+
+    /// Why a room failed.
+    pub fn error(&self, room: u64) -> Option<String> {
+        self.rooms.get(&room).and_then(|r| r.error.clone())
+    }
+
+    /// Forgets a room.
+    pub fn remove_room(&mut self, room: u64) {
+        self.rooms.remove(&room);
+    }
+
+    /// Gives up on a room and tells the prefill ranks.
+    pub fn abort(&mut self, room: u64) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        r.fail("aborted by the decode engine".into());
+        let ranks = r.ranks.clone();
+        self.submit(Job::Abort { room, ranks });
+    }
+
+    /// Processes control results, notifications, timeouts and liveness. Never blocks.
+    pub fn poll(&mut self) {
+        while let Ok(done) = self.done.try_recv() {
+            self.on_done(done);
+        }
+        let mut notes = Vec::new();
+        let _ = self.transport.drain_notifications(&mut notes);
+        for n in notes {
+            self.on_note(&n.from, &n.message);
+        }
+        let now = self.clock.now();
+        for (id, r) in &mut self.rooms {
+            if !r.status.is_final() && r.complete() {
+                r.status = RoomStatus::Success;
+            }
+            if !r.status.is_final() && now.saturating_sub(r.created) > self.config.waiting_timeout {
+                r.fail(format!(
+                    "room {id} waited longer than {:?}",
+                    self.config.waiting_timeout
+                ));
+            }
+        }
+        self.heartbeat(now);
+    }
+
+    fn on_done(&mut self, done: Done) {
+        match done {
+            Done::Bootstrapped {
+                room,
+                addr,
+                instance,
+                ranks,
+                registered,
+            } => {
+                let p = self.prefills.entry(addr.clone()).or_insert(Prefill {
+                    instance,
+                    registered: HashSet::new(),
+                    failures: 0,
+                    last_probe: self.clock.now(),
+                    probing: false,
+                });
+                if p.instance != instance {
+                    // A restarted prefill: forget what was registered with the old one.
+                    p.instance = instance;
+                    p.registered.clear();
+                }
+                p.registered.extend(registered);
+                let expect =
+                    expectation(&ranks, self.config.tp, self.sharding, self.rooms.get(&room));
+                if let Some(r) = self.rooms.get_mut(&room) {
+                    match expect {
+                        Ok(e) => {
+                            r.expect = Some(e);
+                            r.ranks = ranks;
+                            r.status = r.status.update(RoomStatus::WaitingForInput);
+                        }
+                        Err(reason) => r.fail(reason),
+                    }
+                }
+            }
+            Done::BootstrapFailed { room, reason } => {
+                if let Some(r) = self.rooms.get_mut(&room) {
+                    r.fail(reason);
+                }
+            }
+            Done::Probed { addr, ok } => {
+                let max = self.config.max_heartbeat_failures;
+                let Some(p) = self.prefills.get_mut(&addr) else {
+                    return;
+                };
+                p.probing = false;
+                if ok {
+                    p.failures = 0;
+                    return;
+                }
+                p.failures += 1;
+                if p.failures >= max {
+                    tracing::warn!(host = %addr.0, port = addr.1, "prefill unreachable: failing its rooms");
+                    self.prefills.remove(&addr);
+                    for r in self.rooms.values_mut().filter(|r| r.addr == addr) {
+                        r.fail(format!(
+                            "prefill {}:{} missed {max} heartbeats",
+                            addr.0, addr.1
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_note(&mut self, from: &str, message: &[u8]) {
+        let Some(note) = messages::parse_note(message) else {
+            self.unknown_notifications += 1;
+            return;
+        };
+        let room_id = match note {
+            PushNote::Kv { room, .. }
+            | PushNote::Aux { room }
+            | PushNote::State { room, .. }
+            | PushNote::Abort { room } => room,
+        };
+        let Some(r) = self.rooms.get_mut(&room_id) else {
+            self.unknown_notifications += 1;
+            return;
+        };
+        match note {
+            PushNote::Kv {
+                chunk,
+                is_last,
+                pp_rank,
+                ..
+            } => {
+                let entry = r.chunks.entry((from.to_string(), pp_rank)).or_default();
+                entry.0.insert(chunk);
+                if is_last {
+                    entry.1 = Some(chunk + 1);
+                }
+                r.status = r.status.update(RoomStatus::Transferring);
+            }
+            PushNote::Aux { .. } => r.aux = true,
+            PushNote::State { pp_rank, .. } => {
+                r.states.insert(pp_rank);
+            }
+            PushNote::Abort { .. } => r.fail("aborted by the prefill".into()),
+        }
+    }
+
+    fn heartbeat(&mut self, now: Duration) {
+        let interval = self.config.heartbeat_interval;
+        let busy: HashSet<Addr> = self
+            .rooms
+            .values()
+            .filter(|r| !r.status.is_final())
+            .map(|r| r.addr.clone())
+            .collect();
+        let mut probes = Vec::new();
+        for (addr, p) in &mut self.prefills {
+            if busy.contains(addr) && !p.probing && now.saturating_sub(p.last_probe) >= interval {
+                p.probing = true;
+                p.last_probe = now;
+                probes.push(addr.clone());
+            }
+        }
+        for addr in probes {
+            self.submit(Job::Probe { addr });
+        }
+    }
+}
+
+impl<T: Transport> Drop for PushDecode<T> {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Which prefill ranks write into decode rank `tp.0`, and who sends aux and state.
+fn expectation(
+    ranks: &[RankInfo],
+    tp: (u32, u32),
+    sharding: HeadSharding,
+    room: Option<&DecodeRoom>,
+) -> Result<Expectation, String> {
+    let first = ranks.first().ok_or("the prefill registered no ranks")?;
+    let mapping = TpMapping::new(first.tp_size, tp.1, sharding).map_err(|e| e.to_string())?;
+    let links = mapping.links_for_decode(tp.0).map_err(|e| e.to_string())?;
+    let data: Vec<u32> = links
+        .iter()
+        .filter(|l| matches!(l.kind, LinkKind::Data(_)))
+        .map(|l| l.prefill_rank)
+        .collect();
+    let agent = |tp_rank: u32, pp_rank: u32| {
+        ranks
+            .iter()
+            .find(|r| r.tp_rank == tp_rank && r.pp_rank == pp_rank)
+            .map(|r| r.agent.clone())
+    };
+    let dummy = room.is_some_and(|r| r.pages.is_empty());
+    let mut writers = HashSet::new();
+    if !dummy {
+        for pp in 0..first.pp_size {
+            for &q in &data {
+                writers.insert((
+                    agent(q, pp).ok_or(format!("prefill rank tp {q} pp {pp} missing"))?,
+                    pp,
+                ));
+            }
+        }
+    }
+    let lead = data.iter().min().copied();
+    let wants_aux = !dummy && room.is_some_and(|r| r.aux_index.is_some());
+    let wants_state = !dummy && room.is_some_and(|r| !r.state_indices.is_empty());
+    Ok(Expectation {
+        writers,
+        aux_from: if wants_aux {
+            lead.and_then(|q| agent(q, first.pp_size - 1))
+        } else {
+            None
+        },
+        state_stages: if wants_state { first.pp_size } else { 0 },
+    })
+}
+
+/// The control thread's side: blocking side-channel requests, each bounded by a timeout.
+struct Control {
+    args: RegisterArgs,
+    config: PushDecodeConfig,
+    sharding: HeadSharding,
+}
+
+impl Control {
+    fn run(&self, job: Job) -> Done {
+        match job {
+            Job::Probe { addr } => {
+                let ok = matches!(
+                    ask_registry(
+                        &addr.0,
+                        addr.1,
+                        &ToRegistry::Health,
+                        self.config.request_timeout
+                    ),
+                    Ok(FromRegistry::Ok)
+                );
+                Done::Probed { addr, ok }
+            }
+            Job::Abort { room, ranks } => {
+                let msg = messages::encode(&ToPrefill::Abort {
+                    room,
+                    agent: self.args.agent.clone(),
+                });
+                for r in &ranks {
+                    let _ = request_bytes(
+                        &r.host,
+                        r.port,
+                        &msg,
+                        self.config.request_timeout,
+                        MAX_MESSAGE_BYTES,
+                    );
+                }
+                Done::BootstrapFailed {
+                    room,
+                    reason: "aborted by the decode engine".into(),
+                }
+            }
+            Job::Bootstrap {
+                room,
+                addr,
+                req,
+                known,
+            } => match self.bootstrap(&addr, &req, known) {
+                Ok((instance, ranks, registered)) => Done::Bootstrapped {
+                    room,
+                    addr,
+                    instance,
+                    ranks,
+                    registered,
+                },
+                Err(reason) => Done::BootstrapFailed { room, reason },
+            },
+        }
+    }
+
+    fn bootstrap(
+        &self,
+        addr: &Addr,
+        req: &RoomRequest,
+        known: Option<(u64, HashSet<(u32, u32)>)>,
+    ) -> Result<Bootstrapped, String> {
+        let t = self.config.request_timeout;
+        let deadline = std::time::Instant::now() + self.config.bootstrap_timeout;
+        let (instance, ranks) = loop {
+            match ask_registry(&addr.0, addr.1, &ToRegistry::Query, t)? {
+                FromRegistry::Layout { instance, ranks } => break (instance, ranks),
+                FromRegistry::NotReady { .. } if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                FromRegistry::NotReady {
+                    registered,
+                    expected,
+                } => {
+                    return Err(format!(
+                        "prefill registry not ready: {registered} of {expected} ranks after {:?}",
+                        self.config.bootstrap_timeout
+                    ));
+                }
+                other => return Err(format!("unexpected registry reply {other:?}")),
+            }
+        };
+        let first = ranks.first().ok_or("the prefill registered no ranks")?;
+        let mine = &self.args.layout;
+        if first.page_size != mine.tokens_per_block || first.dtype != mine.dtype {
+            return Err(format!(
+                "prefill page size {} / dtype {} differ from decode {} / {}",
+                first.page_size, first.dtype, mine.tokens_per_block, mine.dtype
+            ));
+        }
+        let mapping = TpMapping::new(first.tp_size, self.config.tp.1, self.sharding)
+            .map_err(|e| e.to_string())?;
+        let links = mapping
+            .links_for_decode(self.config.tp.0)
+            .map_err(|e| e.to_string())?;
+        let mut registered = match known {
+            Some((i, set)) if i == instance => set,
+            _ => HashSet::new(),
+        };
+        for rank in ranks
+            .iter()
+            .filter(|r| links.iter().any(|l| l.prefill_rank == r.tp_rank))
+        {
+            let key = (rank.tp_rank, rank.pp_rank);
+            if !registered.contains(&key) {
+                send(rank, &ToPrefill::Register(self.args.clone()), t)?;
+                registered.insert(key);
+            }
+            let data = links
+                .iter()
+                .any(|l| l.prefill_rank == rank.tp_rank && matches!(l.kind, LinkKind::Data(_)));
+            let mut msg = req.clone();
+            if !data {
+                // A dummy destination: completes the rank's status, receives no data.
+                msg.pages.clear();
+            }
+            send(rank, &ToPrefill::Room(msg), t)?;
+        }
+        Ok((instance, ranks, registered))
+    }
+}
+
+fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<(), String> {
+    let reply = request_bytes(
+        &rank.host,
+        rank.port,
+        &messages::encode(msg),
+        timeout,
+        MAX_MESSAGE_BYTES,
+    )
+    .map_err(|e| e.to_string())?;
+    match messages::decode::<FromPrefill>(&reply, "prefill reply").map_err(|e| e.to_string())? {
+        FromPrefill::Ok => Ok(()),
+        FromPrefill::Error { reason } => {
+            Err(format!("prefill rank {} refused: {reason}", rank.tp_rank))
+        }
+    }
+}

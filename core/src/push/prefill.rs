@@ -1,0 +1,699 @@
+//! The prefill side of the push connector: registers with the bootstrap registry, receives
+//! decode registrations and room destinations on its mailbox, and WRITEs each room's KV
+//! chunks (then aux and state with the last chunk) into every decode rank it serves.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, unbounded};
+use kvxfer_layout::{
+    BlockPairs, CacheSide, CacheSpec, LinkKind, PlanOptions, TpMapping, TransferPlan,
+    plan_transfer_into,
+};
+
+use super::buffers::{PushBuffers, StateKind};
+use super::messages::{
+    self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
+    ToPrefill, ToRegistry,
+};
+use super::registry::ask_registry;
+use super::status::RoomStatus;
+use crate::clock::Clock;
+use crate::plan::split_for;
+use crate::sidechannel::MessageServer;
+use crate::transport::{
+    AddrRange, MemoryKind, Op, PeerId, Registration, Transport, XferId, XferStatus,
+};
+
+/// Settings of a prefill rank.
+#[derive(Debug, Clone)]
+pub struct PushPrefillConfig {
+    /// TP rank and size.
+    pub tp: (u32, u32),
+    /// PP rank and size.
+    pub pp: (u32, u32),
+    /// Host the mailbox binds (loopback by default).
+    pub host: String,
+    /// Mailbox port (0 picks a free one).
+    pub port: u16,
+    /// The bootstrap registry.
+    pub registry: (String, u16),
+    /// Rooms still waiting for their destinations after this long fail.
+    pub bootstrap_timeout: Duration,
+    /// Bound on each side-channel request.
+    pub request_timeout: Duration,
+}
+
+struct Decode {
+    peer: PeerId,
+    args: RegisterArgs,
+    spec: CacheSpec,
+    mapping: TpMapping,
+}
+
+struct Room {
+    status: RoomStatus,
+    created: Duration,
+    total: Option<usize>,
+    aux_index: Option<u32>,
+    state_indices: Vec<u32>,
+    dests: HashMap<String, RoomRequest>,
+    sent: usize,
+    chunk: u32,
+    xfers: Vec<XferId>,
+    last_sent: bool,
+    error: Option<String>,
+}
+
+impl Room {
+    fn new(now: Duration) -> Self {
+        Room {
+            status: RoomStatus::Bootstrapping,
+            created: now,
+            total: None,
+            aux_index: None,
+            state_indices: Vec::new(),
+            dests: HashMap::new(),
+            sent: 0,
+            chunk: 0,
+            xfers: Vec::new(),
+            last_sent: false,
+            error: None,
+        }
+    }
+
+    fn fail(&mut self, reason: String) {
+        tracing::warn!(%reason, "push room failed");
+        self.error.get_or_insert(reason);
+        self.status = RoomStatus::Failed;
+    }
+}
+
+/// Errors of the engine-facing calls.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PushError {
+    /// Unknown room.
+    #[error("unknown room {0}")]
+    UnknownRoom(u64),
+    /// The room is not ready for data (or already final).
+    #[error("room {room} is {status:?}, not ready to send")]
+    NotReady {
+        /// Room.
+        room: u64,
+        /// Its status.
+        status: RoomStatus,
+    },
+    /// More pages than the room holds.
+    #[error("room {room}: {given} more pages exceed the {left} left")]
+    TooManyPages {
+        /// Room.
+        room: u64,
+        /// Pages given.
+        given: usize,
+        /// Pages left.
+        left: usize,
+    },
+    /// Setup failed.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// One prefill rank.
+pub struct PushPrefill<T: Transport> {
+    transport: T,
+    config: PushPrefillConfig,
+    bufs: PushBuffers,
+    clock: Arc<dyn Clock>,
+    _registrations: Vec<Registration>,
+    mailbox: MessageServer,
+    inbox: Receiver<ToPrefill>,
+    decodes: HashMap<String, Decode>,
+    rooms: HashMap<u64, Room>,
+    plan: TransferPlan,
+    ranges: (Vec<AddrRange>, Vec<AddrRange>),
+    refused: u64,
+}
+
+impl<T: Transport> PushPrefill<T> {
+    /// Registers memory, opens the mailbox and registers this rank with the registry.
+    pub fn new(
+        mut transport: T,
+        config: PushPrefillConfig,
+        bufs: PushBuffers,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, PushError> {
+        let registrations = bufs
+            .register(&mut transport)
+            .map_err(|e| PushError::Setup(e.to_string()))?;
+        let (tx, inbox) = unbounded();
+        let mailbox = MessageServer::bind(
+            &config.host,
+            config.port,
+            MAX_MESSAGE_BYTES,
+            Box::new(move |bytes| {
+                let reply = match messages::decode::<ToPrefill>(bytes, "push control message") {
+                    Ok(ToPrefill::Health) => FromPrefill::Ok,
+                    Ok(msg) => match tx.send(msg) {
+                        Ok(()) => FromPrefill::Ok,
+                        Err(_) => FromPrefill::Error {
+                            reason: "prefill rank is shutting down".into(),
+                        },
+                    },
+                    Err(e) => FromPrefill::Error {
+                        reason: e.to_string(),
+                    },
+                };
+                messages::encode(&reply)
+            }),
+        )
+        .map_err(PushError::Setup)?;
+        let kv = &bufs.kv;
+        let info = RankInfo {
+            agent: transport.name().to_string(),
+            tp_size: config.tp.1,
+            tp_rank: config.tp.0,
+            pp_size: config.pp.1,
+            pp_rank: config.pp.0,
+            dp_size: 1,
+            dp_rank: 0,
+            host: config.host.clone(),
+            port: mailbox.port(),
+            page_size: kv.spec.tokens_per_block(),
+            dtype: kv.spec.dtype().to_string(),
+            first_layer: kv.first_layer,
+            num_layers: kv.spec.num_layers(),
+        };
+        match ask_registry(
+            &config.registry.0,
+            config.registry.1,
+            &ToRegistry::Register(info),
+            config.request_timeout,
+        ) {
+            Ok(FromRegistry::Ok) => {}
+            Ok(other) => {
+                return Err(PushError::Setup(format!(
+                    "registry refused the rank: {other:?}"
+                )));
+            }
+            Err(e) => return Err(PushError::Setup(format!("registry unreachable: {e}"))),
+        }
+        Ok(PushPrefill {
+            transport,
+            config,
+            bufs,
+            clock,
+            _registrations: registrations,
+            mailbox,
+            inbox,
+            decodes: HashMap::new(),
+            rooms: HashMap::new(),
+            plan: TransferPlan::default(),
+            ranges: (Vec::new(), Vec::new()),
+            refused: 0,
+        })
+    }
+
+    /// The mailbox port.
+    pub fn port(&self) -> u16 {
+        self.mailbox.port()
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// Control messages refused (unknown agent, malformed content).
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
+    /// A room this rank will send `total_pages` pages of, plus aux and state on the last chunk.
+    pub fn add_room(
+        &mut self,
+        room: u64,
+        total_pages: usize,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+    ) {
+        let now = self.clock.now();
+        let r = self.rooms.entry(room).or_insert_with(|| Room::new(now));
+        r.total = Some(total_pages);
+        r.aux_index = aux_index;
+        r.state_indices = state_indices;
+        let reasons: Vec<String> = r
+            .dests
+            .values()
+            .filter_map(|d| validate_len(d, total_pages))
+            .collect();
+        if let Some(reason) = reasons.into_iter().next() {
+            r.fail(reason);
+        }
+    }
+
+    /// Status of a room.
+    pub fn status(&self, room: u64) -> Option<RoomStatus> {
+        self.rooms.get(&room).map(|r| r.status)
+    }
+
+    /// Why a room failed.
+    pub fn error(&self, room: u64) -> Option<String> {
+        self.rooms.get(&room).and_then(|r| r.error.clone())
+    }
+
+    /// Forgets a final room.
+    pub fn remove_room(&mut self, room: u64) {
+        if let Some(r) = self.rooms.remove(&room) {
+            for x in r.xfers {
+                let _ = self.transport.release(x);
+            }
+        }
+    }
+
+    /// Aborts a room: its decode destinations are told, its transfers released.
+    pub fn abort(&mut self, room: u64) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        r.fail("aborted by the prefill engine".into());
+        let agents: Vec<String> = r.dests.keys().cloned().collect();
+        for a in agents {
+            if let Some(d) = self.decodes.get(&a) {
+                let _ = self
+                    .transport
+                    .send_notification(d.peer, &messages::abort_note(room));
+            }
+        }
+    }
+
+    /// Processes control messages, transfer completions and timeouts.
+    pub fn poll(&mut self) {
+        while let Ok(msg) = self.inbox.try_recv() {
+            self.on_message(msg);
+        }
+        let now = self.clock.now();
+        let timeout = self.config.bootstrap_timeout;
+        for (id, r) in &mut self.rooms {
+            if r.status.is_final() {
+                continue;
+            }
+            if r.status == RoomStatus::Bootstrapping && now.saturating_sub(r.created) > timeout {
+                r.fail(format!("room {id} still bootstrapping after {timeout:?}"));
+                continue;
+            }
+            let mut still = Vec::new();
+            for x in std::mem::take(&mut r.xfers) {
+                match self.transport.status(x) {
+                    Ok(XferStatus::InProgress) => still.push(x),
+                    Ok(XferStatus::Done) => {
+                        let _ = self.transport.release(x);
+                    }
+                    Ok(XferStatus::Failed(e)) => {
+                        let _ = self.transport.release(x);
+                        r.fail(format!("transfer failed: {e}"));
+                    }
+                    Err(e) => r.fail(e.to_string()),
+                }
+            }
+            r.xfers = still;
+            if r.status != RoomStatus::Failed && r.last_sent && r.xfers.is_empty() {
+                r.status = r.status.update(RoomStatus::Success);
+            }
+        }
+        // Rooms whose destinations are all dummies have nothing to send.
+        for r in self.rooms.values_mut() {
+            if r.status == RoomStatus::WaitingForInput
+                && r.dests.values().all(|d| d.pages.is_empty())
+            {
+                r.last_sent = true;
+                r.status = RoomStatus::Success;
+            }
+        }
+    }
+
+    fn on_message(&mut self, msg: ToPrefill) {
+        match msg {
+            ToPrefill::Register(args) => {
+                if let Err(e) = self.register_decode(args) {
+                    self.refused += 1;
+                    tracing::warn!(error = %e, "refused a decode registration");
+                }
+            }
+            ToPrefill::Room(req) => self.on_room(req),
+            ToPrefill::Abort { room, agent } => {
+                if let Some(r) = self.rooms.get_mut(&room) {
+                    if r.dests.contains_key(&agent) {
+                        r.fail(format!("aborted by decode {agent}"));
+                        for x in std::mem::take(&mut r.xfers) {
+                            let _ = self.transport.release(x);
+                        }
+                    }
+                }
+            }
+            ToPrefill::Health => {}
+        }
+    }
+
+    fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
+        let spec = args.layout.to_spec().map_err(|e| e.to_string())?;
+        let mine = &self.bufs.kv.spec;
+        if spec.tokens_per_block() != mine.tokens_per_block() || spec.dtype() != mine.dtype() {
+            return Err(format!(
+                "page size or dtype differ: decode {} tokens {}, prefill {} tokens {}",
+                spec.tokens_per_block(),
+                spec.dtype(),
+                mine.tokens_per_block(),
+                mine.dtype()
+            ));
+        }
+        CacheSide::new(&spec, &args.kv_bases, 0).map_err(|e| e.to_string())?;
+        if args.aux.len() != self.bufs.aux.len()
+            || args
+                .aux
+                .iter()
+                .zip(&self.bufs.aux)
+                .any(|(a, b)| a.item_len != b.item_len)
+        {
+            return Err("aux buffers differ in count or item length".into());
+        }
+        if args.state.len() != self.bufs.state.len()
+            || args
+                .state
+                .iter()
+                .zip(&self.bufs.state)
+                .any(|(a, b)| a.item_len != b.item_len)
+        {
+            return Err("state buffers differ in count or item length".into());
+        }
+        let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
+            .map_err(|e| e.to_string())?;
+        let peer = self
+            .transport
+            .load_peer(&args.agent_metadata)
+            .map_err(|e| e.to_string())?;
+        self.decodes.insert(
+            args.agent.clone(),
+            Decode {
+                peer,
+                args,
+                spec,
+                mapping,
+            },
+        );
+        Ok(())
+    }
+
+    fn on_room(&mut self, req: RoomRequest) {
+        let now = self.clock.now();
+        let Some(d) = self.decodes.get(&req.agent) else {
+            self.refused += 1;
+            return;
+        };
+        let problem = self.validate(d, &req);
+        let required = d
+            .mapping
+            .notifications_per_request(self.config.tp.0)
+            .unwrap_or(1) as usize;
+        let room = self.rooms.entry(req.room).or_insert_with(|| Room::new(now));
+        if room.status.is_final() {
+            return;
+        }
+        let problem = problem.or_else(|| room.total.and_then(|t| validate_len(&req, t)));
+        room.dests.insert(req.agent.clone(), req);
+        match problem {
+            Some(reason) => room.fail(reason),
+            None if room.dests.len() >= required && room.total.is_some() => {
+                room.status = room.status.update(RoomStatus::WaitingForInput);
+            }
+            None => {}
+        }
+    }
+
+    /// Checks every index a decode sent against what that decode registered.
+    fn validate(&self, d: &Decode, req: &RoomRequest) -> Option<String> {
+        if req.pages.len() > messages::MAX_ROOM_PAGES {
+            return Some(format!("{} pages exceed the limit", req.pages.len()));
+        }
+        if let Some(&p) = req.pages.iter().find(|&&p| p >= d.spec.num_blocks()) {
+            return Some(format!(
+                "destination page {p} is out of range (decode has {} pages)",
+                d.spec.num_blocks()
+            ));
+        }
+        let mut sorted = req.pages.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Some("destination pages repeat".into());
+        }
+        if let Some(i) = req.aux_index {
+            if d.args.aux.iter().any(|b| i >= b.items) {
+                return Some(format!("aux index {i} is out of range"));
+            }
+        }
+        if let Some(&i) = req
+            .state_indices
+            .iter()
+            .find(|&&i| d.args.state.iter().any(|b| i >= b.items))
+        {
+            return Some(format!("state index {i} is out of range"));
+        }
+        if self.bufs.state_kind == StateKind::Mamba
+            && !req.pages.is_empty()
+            && req.state_indices.len() > 1
+        {
+            return Some("Mamba state takes exactly one index".into());
+        }
+        None
+    }
+
+    /// Sends the next chunk of a room: `pages` are this rank's source pages, paired with the
+    /// destinations' next pages. The chunk completing the room also carries aux and state.
+    pub fn send(&mut self, room: u64, pages: &[u32]) -> Result<(), PushError> {
+        let r = self.rooms.get(&room).ok_or(PushError::UnknownRoom(room))?;
+        if !matches!(
+            r.status,
+            RoomStatus::WaitingForInput | RoomStatus::Transferring
+        ) {
+            return Err(PushError::NotReady {
+                room,
+                status: r.status,
+            });
+        }
+        let total = r.total.unwrap_or(0);
+        let left = total - r.sent;
+        if pages.len() > left {
+            return Err(PushError::TooManyPages {
+                room,
+                given: pages.len(),
+                left,
+            });
+        }
+        let (start, chunk) = (r.sent, r.chunk);
+        let is_last = pages.len() == left;
+        let dests: Vec<RoomRequest> = r
+            .dests
+            .values()
+            .filter(|d| !d.pages.is_empty())
+            .cloned()
+            .collect();
+        let aux_index = r.aux_index;
+        let state_indices = r.state_indices.clone();
+        let mut posted = Vec::new();
+        let mut failure = None;
+        for dest in &dests {
+            match self.send_to(
+                dest,
+                room,
+                pages,
+                start,
+                chunk,
+                is_last,
+                aux_index,
+                &state_indices,
+            ) {
+                Ok(mut x) => posted.append(&mut x),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let r = self
+            .rooms
+            .get_mut(&room)
+            .ok_or(PushError::UnknownRoom(room))?;
+        r.xfers.extend(posted);
+        match failure {
+            Some(e) => {
+                r.fail(e.clone());
+                Err(PushError::Setup(e))
+            }
+            None => {
+                r.sent += pages.len();
+                r.chunk += 1;
+                r.last_sent = is_last;
+                r.status = r.status.update(RoomStatus::Transferring);
+                Ok(())
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_to(
+        &mut self,
+        dest: &RoomRequest,
+        room: u64,
+        pages: &[u32],
+        start: usize,
+        chunk: u32,
+        is_last: bool,
+        aux_index: Option<u32>,
+        state_indices: &[u32],
+    ) -> Result<Vec<XferId>, String> {
+        let d = self
+            .decodes
+            .get(&dest.agent)
+            .ok_or_else(|| format!("decode {} is not registered", dest.agent))?;
+        let me = self.config.tp.0;
+        let links = d
+            .mapping
+            .links_for_decode(d.args.tp_rank)
+            .map_err(|e| e.to_string())?;
+        let Some(slice) = links.iter().find_map(|l| match l.kind {
+            LinkKind::Data(s) if l.prefill_rank == me => Some(s),
+            _ => None,
+        }) else {
+            return Ok(Vec::new());
+        };
+        // This rank writes aux (last stage) and its stage's state when it is the lowest
+        // prefill rank writing into that decode rank.
+        let designated = links
+            .iter()
+            .filter(|l| matches!(l.kind, LinkKind::Data(_)))
+            .map(|l| l.prefill_rank)
+            .min()
+            == Some(me);
+        let kv = &self.bufs.kv;
+        let src = CacheSide::new(&kv.spec, &kv.bases, kv.first_layer).map_err(|e| e.to_string())?;
+        let dst = CacheSide::new(&d.spec, &d.args.kv_bases, 0).map_err(|e| e.to_string())?;
+        let dst_pages = &dest.pages[start..start + pages.len()];
+        let pairs = BlockPairs {
+            src: pages,
+            dst: dst_pages,
+            windows: None,
+        };
+        plan_transfer_into(
+            &src,
+            &dst,
+            slice,
+            &pairs,
+            PlanOptions::default(),
+            &mut self.plan,
+        )
+        .map_err(|e| e.to_string())?;
+        split_for(
+            Op::Write,
+            self.plan.iter(),
+            &mut self.ranges.0,
+            &mut self.ranges.1,
+        );
+        let (pp_rank, pp_size) = self.config.pp;
+        let mem = (kv.memory, kv.memory);
+        let mut posted = Vec::new();
+        let note = messages::kv_note(room, chunk, is_last, pp_rank);
+        posted.push(
+            self.transport
+                .post(
+                    Op::Write,
+                    d.peer,
+                    mem,
+                    &self.ranges.0,
+                    &self.ranges.1,
+                    Some(&note),
+                )
+                .map_err(|e| e.to_string())?,
+        );
+        if !is_last || !designated {
+            return Ok(posted);
+        }
+        if let (Some(src_i), Some(dst_i)) = (aux_index, dest.aux_index) {
+            if pp_rank + 1 == pp_size && !self.bufs.aux.is_empty() {
+                let (l, r) = items(&self.bufs.aux, &d.args.aux, &[src_i], &[dst_i]);
+                let x = self.transport.post(
+                    Op::Write,
+                    d.peer,
+                    (MemoryKind::Host, MemoryKind::Host),
+                    &l,
+                    &r,
+                    Some(&messages::aux_note(room)),
+                );
+                posted.push(x.map_err(|e| e.to_string())?);
+            }
+        }
+        if !state_indices.is_empty() && !dest.state_indices.is_empty() {
+            if state_indices.len() != dest.state_indices.len() {
+                return Err(format!(
+                    "state index counts differ: prefill {}, decode {}",
+                    state_indices.len(),
+                    dest.state_indices.len()
+                ));
+            }
+            if d.args.tp_size != self.config.tp.1 && kv.spec.kind() != kvxfer_layout::CacheKind::Mla
+            {
+                return Err("state transfer needs equal TP on both sides".into());
+            }
+            let (l, r) = items(
+                &self.bufs.state,
+                &d.args.state,
+                state_indices,
+                &dest.state_indices,
+            );
+            let x = self.transport.post(
+                Op::Write,
+                d.peer,
+                mem,
+                &l,
+                &r,
+                Some(&messages::state_note(room, pp_rank)),
+            );
+            posted.push(x.map_err(|e| e.to_string())?);
+        }
+        Ok(posted)
+    }
+}
+
+/// Item-wise ranges of parallel buffers: item `src[i]` of each local buffer to item
+/// `dst[i]` of the matching remote buffer.
+fn items(
+    local: &[super::messages::BufferWire],
+    remote: &[super::messages::BufferWire],
+    src: &[u32],
+    dst: &[u32],
+) -> (Vec<AddrRange>, Vec<AddrRange>) {
+    let mut l = Vec::new();
+    let mut r = Vec::new();
+    for (lb, rb) in local.iter().zip(remote) {
+        for (&s, &d) in src.iter().zip(dst) {
+            l.push(AddrRange::new(
+                lb.base + lb.item_len * u64::from(s),
+                lb.item_len,
+            ));
+            r.push(AddrRange::new(
+                rb.base + rb.item_len * u64::from(d),
+                rb.item_len,
+            ));
+        }
+    }
+    (l, r)
+}
+
+fn validate_len(d: &RoomRequest, total: usize) -> Option<String> {
+    (!d.pages.is_empty() && d.pages.len() != total).then(|| {
+        format!(
+            "decode {} sent {} pages for a room of {total}",
+            d.agent,
+            d.pages.len()
+        )
+    })
+}
