@@ -95,13 +95,24 @@ fn bench_hetero_tp_and_mla() {
 }
 
 #[test]
+fn bench_push_mode() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--mode", "push", "--tp", "1:2", "--order", "nhd"]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("push mode") && out.contains("all correct"),
+        "{out}"
+    );
+}
+
+#[test]
 fn bench_errors_are_clear() {
     let cases: &[(&[&str], &str)] = &[
         (&["bench", "--transport", "ucx"], "--features ucx"),
         (&["bench", "--transport", "nixl"], "--features nixl"),
         (&["bench", "--transport", "tcp"], "unknown transport"),
         (&["bench", "--memory", "gpu"], "GPU memory"),
-        (&["bench", "--mode", "push"], "push mode"),
         (&["bench", "--tp", "3:1"], "not divisible"),
         (&["bench", "--requests", "0"], "must be positive"),
     ];

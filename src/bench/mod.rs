@@ -3,6 +3,7 @@
 //! of the same bytes in the same run.
 
 mod fill;
+mod push;
 mod report;
 
 use std::sync::Arc;
@@ -96,14 +97,14 @@ pub enum BenchError {
     Verification(String),
 }
 
-struct Rank {
-    mem: Vec<u8>,
-    spec: CacheSpec,
-    first_head: u32,
+pub(crate) struct Rank {
+    pub(crate) mem: Vec<u8>,
+    pub(crate) spec: CacheSpec,
+    pub(crate) first_head: u32,
 }
 
 impl Rank {
-    fn new(spec: CacheSpec, first_head: u32) -> Self {
+    pub(crate) fn new(spec: CacheSpec, first_head: u32) -> Self {
         // Touch every page up front, as an engine's preallocated cache is.
         Rank {
             mem: vec![0x5a; spec.total_bytes() as usize],
@@ -112,7 +113,7 @@ impl Rank {
         }
     }
 
-    fn kv(&mut self, model: &ModelShape) -> KvCache {
+    pub(crate) fn kv(&mut self, model: &ModelShape) -> KvCache {
         let base = self.mem.as_mut_ptr() as u64;
         KvCache {
             spec: self.spec,
@@ -140,7 +141,7 @@ impl Drop for EngineSide {
     }
 }
 
-fn xorshift(state: &mut u64) -> u64 {
+pub(crate) fn xorshift(state: &mut u64) -> u64 {
     *state ^= *state << 13;
     *state ^= *state >> 7;
     *state ^= *state << 17;
@@ -148,7 +149,12 @@ fn xorshift(state: &mut u64) -> u64 {
 }
 
 /// `n` sorted distinct blocks out of `range`, scattered or consecutive.
-fn choose(range: std::ops::Range<u32>, n: u32, fragmented: bool, state: &mut u64) -> Vec<u32> {
+pub(crate) fn choose(
+    range: std::ops::Range<u32>,
+    n: u32,
+    fragmented: bool,
+    state: &mut u64,
+) -> Vec<u32> {
     if !fragmented {
         return (range.start..range.start + n).collect();
     }
@@ -234,15 +240,13 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             "GPU memory in `bench` is not supported yet; use --memory host (the loopback's GPU path is exercised by `cargo test --features cuda` on a machine with a device)".into(),
         ));
     }
-    if c.mode == Mode::Push {
-        return Err(BenchError::Config(
-            "push mode is not available yet; use --mode pull".into(),
-        ));
-    }
     if c.requests == 0 || c.concurrency == 0 || c.tokens_per_request == 0 || c.block_size == 0 {
         return Err(BenchError::Config(
             "requests, concurrency, tokens per request and block size must be positive".into(),
         ));
+    }
+    if c.mode == Mode::Push {
+        return push::run(c, progress);
     }
     let per_request = c.tokens_per_request.div_ceil(c.block_size);
     let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
@@ -378,16 +382,24 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         }
         progress(next, total);
     }
-    // Single-thread memcpy of the same number of bytes, in pieces of one decode block part.
     let piece = dec.ranks[0].spec.block_len() as usize;
-    let src = &pre.ranks[0].mem;
+    let memcpy = memcpy_baseline(&pre.ranks[0].mem, moved, piece);
+    report.descriptors_raw = metrics.descriptors_raw;
+    report.descriptors_posted = metrics.descriptors_posted;
+    finish(&mut report, c, latencies, moved, measured, memcpy);
+    Ok(report)
+}
+
+/// Single-thread memcpy of `bytes` bytes from `src` in pieces of `piece` bytes (wrapping
+/// around the source and a 256 MiB destination): the baseline every ratio is taken against.
+pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration {
     let mut scratch = vec![1u8; src.len().min(256 << 20)];
     let t = Instant::now();
     let mut copied = 0u64;
     let (mut s_at, mut d_at) = (0usize, 0usize);
-    while copied < moved {
+    while copied < bytes {
         let n = piece
-            .min((moved - copied) as usize)
+            .min((bytes - copied) as usize)
             .min(src.len())
             .min(scratch.len());
         if s_at + n > src.len() {
@@ -402,7 +414,18 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         d_at += n;
         copied += n as u64;
     }
-    let memcpy = t.elapsed();
+    t.elapsed()
+}
+
+/// Fills the timing fields of `report` from latencies and totals.
+pub(crate) fn finish(
+    report: &mut BenchReport,
+    c: &BenchConfig,
+    mut latencies: Vec<Duration>,
+    moved: u64,
+    measured: Duration,
+    memcpy: Duration,
+) {
     latencies.sort();
     let pct = |p: f64| {
         latencies
@@ -416,14 +439,11 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     report.requests_per_s = f64::from(report.requests) / measured.as_secs_f64().max(1e-9);
     report.latency_p50_ms = ms(pct(0.5));
     report.latency_p99_ms = ms(pct(0.99));
-    report.descriptors_raw = metrics.descriptors_raw;
-    report.descriptors_posted = metrics.descriptors_posted;
     report.memcpy_gb_per_s = moved as f64 / memcpy.as_secs_f64().max(1e-9) / 1e9;
     report.ratio_to_memcpy = memcpy.as_secs_f64() / measured.as_secs_f64().max(1e-9);
     report.describe(c);
-    Ok(report)
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }

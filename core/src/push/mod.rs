@@ -11,6 +11,6 @@ mod status;
 
 pub use buffers::{PushBuffers, StateKind};
 pub use decode::{PushDecode, PushDecodeConfig};
-pub use prefill::{PushError, PushPrefill, PushPrefillConfig};
+pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig};
 pub use registry::{BootstrapRegistry, ask_registry};
 pub use status::RoomStatus;

@@ -133,6 +133,24 @@ pub struct PushPrefill<T: Transport> {
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
     refused: u64,
+    metrics: PushMetrics,
+}
+
+/// Counters of a prefill rank, read and reset with [`PushPrefill::take_metrics`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushMetrics {
+    /// WRITEs posted (KV, aux and state).
+    pub transfers: u64,
+    /// Bytes of KV posted.
+    pub kv_bytes: u64,
+    /// KV descriptors before coalescing.
+    pub descriptors_raw: u64,
+    /// KV descriptors posted after coalescing.
+    pub descriptors_posted: u64,
+    /// Time spent planning and posting.
+    pub post_time: std::time::Duration,
+    /// Rooms that failed.
+    pub failed_rooms: u64,
 }
 
 impl<T: Transport> PushPrefill<T> {
@@ -211,6 +229,7 @@ impl<T: Transport> PushPrefill<T> {
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
             refused: 0,
+            metrics: PushMetrics::default(),
         })
     }
 
@@ -222,6 +241,18 @@ impl<T: Transport> PushPrefill<T> {
     /// The transport.
     pub fn transport(&self) -> &T {
         &self.transport
+    }
+
+    /// Counters since the last call (reset on read).
+    pub fn take_metrics(&mut self) -> PushMetrics {
+        let failed = self
+            .rooms
+            .values()
+            .filter(|r| r.status == RoomStatus::Failed)
+            .count() as u64;
+        let mut m = std::mem::take(&mut self.metrics);
+        m.failed_rooms = failed;
+        m
     }
 
     /// Control messages refused (unknown agent, malformed content).
@@ -501,6 +532,7 @@ impl<T: Transport> PushPrefill<T> {
         let state_indices = r.state_indices.clone();
         let mut posted = Vec::new();
         let mut failure = None;
+        let started = self.clock.now();
         for dest in &dests {
             match self.send_to(
                 dest,
@@ -519,6 +551,8 @@ impl<T: Transport> PushPrefill<T> {
                 }
             }
         }
+        self.metrics.post_time += self.clock.now().saturating_sub(started);
+        self.metrics.transfers += posted.len() as u64;
         let r = self
             .rooms
             .get_mut(&room)
@@ -598,6 +632,9 @@ impl<T: Transport> PushPrefill<T> {
             &mut self.ranges.0,
             &mut self.ranges.1,
         );
+        self.metrics.kv_bytes += self.plan.total_bytes;
+        self.metrics.descriptors_raw += self.plan.raw_count;
+        self.metrics.descriptors_posted += self.plan.len() as u64;
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
         let mut posted = Vec::new();

@@ -1,0 +1,281 @@
+//! `kvxfer bench --mode push`: prefill ranks WRITE each request ("room") into the decode
+//! ranks through the bootstrap registry, in chunks, as the SGLang-style connector does.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::clock::SystemClock;
+use kvxfer_core::push::{
+    BootstrapRegistry, PushBuffers, PushDecode, PushDecodeConfig, PushMetrics, PushPrefill,
+    PushPrefillConfig, RoomStatus, StateKind,
+};
+use kvxfer_layout::{CacheSpec, Side, TpMapping};
+
+use super::{
+    BenchConfig, BenchError, BenchReport, Rank, choose, fill, finish, memcpy_baseline, ms,
+};
+use crate::transports::{AnyTransport, open};
+
+/// Pages per chunk (a chunked prefill sends its KV as it computes it).
+const CHUNK_PAGES: usize = 32;
+
+struct Prefill {
+    workers: Vec<PushPrefill<AnyTransport>>,
+    ranks: Vec<Rank>,
+    registry: BootstrapRegistry,
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        self.workers.clear();
+    }
+}
+
+struct Decode {
+    workers: Vec<PushDecode<AnyTransport>>,
+    ranks: Vec<Rank>,
+}
+
+impl Drop for Decode {
+    fn drop(&mut self) {
+        self.workers.clear();
+    }
+}
+
+fn buffers(c: &BenchConfig, rank: &mut Rank) -> PushBuffers {
+    PushBuffers {
+        kv: rank.kv(&c.model),
+        aux: Vec::new(),
+        state: Vec::new(),
+        state_kind: StateKind::None,
+    }
+}
+
+fn ranks(
+    c: &BenchConfig,
+    mapping: &TpMapping,
+    side: Side,
+    tp: u32,
+    num_blocks: u32,
+) -> Result<Vec<Rank>, BenchError> {
+    (0..tp)
+        .map(|r| {
+            let heads = mapping.heads_of(side, r)?;
+            let spec = CacheSpec::new(c.model.rank_params(
+                c.order,
+                heads.count,
+                c.model.layers,
+                c.block_size,
+                num_blocks,
+            ))?;
+            let mut rank = Rank::new(spec, heads.first);
+            if side == Side::Prefill {
+                fill::fill(&mut rank.mem, &spec, heads.first);
+            }
+            Ok(rank)
+        })
+        .collect()
+}
+
+/// Runs the push-mode bench.
+pub(super) fn run(
+    c: &BenchConfig,
+    progress: &mut dyn FnMut(u32, u32),
+) -> Result<BenchReport, BenchError> {
+    let per_request = c.tokens_per_request.div_ceil(c.block_size);
+    let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
+    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
+    let clock = Arc::new(SystemClock::default());
+    let registry = BootstrapRegistry::bind("127.0.0.1", 0).map_err(BenchError::Config)?;
+    let mut pre = Prefill {
+        workers: Vec::new(),
+        ranks: ranks(c, &mapping, Side::Prefill, c.prefill_tp, num_blocks)?,
+        registry,
+    };
+    for r in 0..c.prefill_tp {
+        let cfg = PushPrefillConfig {
+            tp: (r, c.prefill_tp),
+            pp: (0, 1),
+            host: "127.0.0.1".into(),
+            port: 0,
+            registry: ("127.0.0.1".into(), pre.registry.port()),
+            bootstrap_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(5),
+        };
+        let bufs = buffers(c, &mut pre.ranks[r as usize]);
+        let t = open(c.transport, &format!("bench-push-p{r}"))?;
+        pre.workers.push(
+            PushPrefill::new(t, cfg, bufs, clock.clone())
+                .map_err(|e| BenchError::Config(e.to_string()))?,
+        );
+    }
+    let mut dec = Decode {
+        workers: Vec::new(),
+        ranks: ranks(c, &mapping, Side::Decode, c.decode_tp, num_blocks)?,
+    };
+    for r in 0..c.decode_tp {
+        let mut cfg = PushDecodeConfig::new(r, c.decode_tp);
+        cfg.request_timeout = Duration::from_secs(5);
+        let bufs = buffers(c, &mut dec.ranks[r as usize]);
+        let t = open(c.transport, &format!("bench-push-d{r}"))?;
+        dec.workers
+            .push(PushDecode::new(t, cfg, bufs, clock.clone()).map_err(BenchError::Config)?);
+    }
+    let port = pre.registry.port();
+    let mut state = c.seed | 1;
+    let total = c.warmup + c.requests;
+    let mut report = BenchReport::default();
+    let (mut latencies, mut measured, mut moved) = (Vec::new(), Duration::ZERO, 0u64);
+    let mut metrics = PushMetrics::default();
+    let mut next = 0u32;
+    while next < total {
+        let wave: Vec<u32> = (next..total.min(next + c.concurrency)).collect();
+        next += wave.len() as u32;
+        let mut jobs = Vec::new();
+        let setup = Instant::now();
+        for (slot, &i) in wave.iter().enumerate() {
+            let room = u64::from(i);
+            let part = num_blocks / c.concurrency;
+            let local = choose(
+                slot as u32 * part..(slot as u32 + 1) * part,
+                per_request,
+                c.fragmented,
+                &mut state,
+            );
+            let remote = choose(0..num_blocks, per_request, c.fragmented, &mut state);
+            for d in &mut dec.workers {
+                d.add_room(room, ("127.0.0.1", port), local.clone(), None, Vec::new());
+            }
+            for p in &mut pre.workers {
+                p.add_room(room, remote.len(), None, Vec::new());
+            }
+            jobs.push((room, remote, local));
+        }
+        let rooms: Vec<u64> = jobs.iter().map(|j| j.0).collect();
+        wait(&mut pre, &mut dec, &rooms, |pre, _| {
+            jobs.iter().all(|(room, ..)| {
+                pre.workers
+                    .iter()
+                    .all(|p| p.status(*room) == Some(RoomStatus::WaitingForInput))
+            })
+        })?;
+        let bootstrap = setup.elapsed();
+        let start = Instant::now();
+        for (room, remote, _) in &jobs {
+            for p in &mut pre.workers {
+                for chunk in remote.chunks(CHUNK_PAGES) {
+                    p.send(*room, chunk).map_err(|e| BenchError::Failed {
+                        req: room.to_string(),
+                        reason: e.to_string(),
+                    })?;
+                }
+            }
+        }
+        let mut finished_at = vec![None; jobs.len()];
+        wait(&mut pre, &mut dec, &rooms, |_, dec| {
+            for (j, (room, ..)) in jobs.iter().enumerate() {
+                if finished_at[j].is_none()
+                    && dec
+                        .workers
+                        .iter()
+                        .all(|d| d.status(*room) == Some(RoomStatus::Success))
+                {
+                    finished_at[j] = Some(start.elapsed());
+                }
+            }
+            finished_at.iter().all(Option::is_some)
+        })?;
+        let wave_time = finished_at
+            .iter()
+            .flatten()
+            .max()
+            .copied()
+            .unwrap_or_default();
+        let mut wave_metrics = PushMetrics::default();
+        for p in &mut pre.workers {
+            let m = p.take_metrics();
+            wave_metrics.kv_bytes += m.kv_bytes;
+            wave_metrics.descriptors_raw += m.descriptors_raw;
+            wave_metrics.descriptors_posted += m.descriptors_posted;
+        }
+        for (room, remote, local) in &jobs {
+            let pairs: Vec<(u32, u32)> =
+                remote.iter().copied().zip(local.iter().copied()).collect();
+            for (r, rank) in dec.ranks.iter().enumerate() {
+                report.verified_bytes +=
+                    fill::verify(&rank.mem, &rank.spec, rank.first_head, &pairs).map_err(|e| {
+                        BenchError::Verification(format!("room {room} on decode rank {r}: {e}"))
+                    })?;
+            }
+            for p in &mut pre.workers {
+                p.remove_room(*room);
+            }
+            for d in &mut dec.workers {
+                d.remove_room(*room);
+            }
+        }
+        if wave[0] < c.warmup {
+            if wave[0] == 0 {
+                report.handshake_ms = ms(bootstrap);
+                report.first_transfer_ms = ms(bootstrap + finished_at[0].unwrap_or_default());
+            }
+        } else {
+            measured += wave_time;
+            latencies.extend(finished_at.iter().flatten().copied());
+            moved += wave_metrics.kv_bytes;
+            metrics.descriptors_raw += wave_metrics.descriptors_raw;
+            metrics.descriptors_posted += wave_metrics.descriptors_posted;
+            report.requests += jobs.len() as u32;
+        }
+        progress(next, total);
+    }
+    let memcpy = memcpy_baseline(
+        &pre.ranks[0].mem,
+        moved,
+        dec.ranks[0].spec.block_len() as usize,
+    );
+    report.descriptors_raw = metrics.descriptors_raw;
+    report.descriptors_posted = metrics.descriptors_posted;
+    finish(&mut report, c, latencies, moved, measured, memcpy);
+    Ok(report)
+}
+
+/// Polls both sides until `done`, failing when one of `rooms` fails or after 300 s.
+fn wait(
+    pre: &mut Prefill,
+    dec: &mut Decode,
+    rooms: &[u64],
+    mut done: impl FnMut(&Prefill, &Decode) -> bool,
+) -> Result<(), BenchError> {
+    let start = Instant::now();
+    loop {
+        for p in &mut pre.workers {
+            p.poll();
+        }
+        for d in &mut dec.workers {
+            d.poll();
+        }
+        if done(pre, dec) {
+            return Ok(());
+        }
+        for &room in rooms {
+            let errors = pre
+                .workers
+                .iter()
+                .map(|p| p.error(room))
+                .chain(dec.workers.iter().map(|d| d.error(room)));
+            if let Some(reason) = errors.flatten().next() {
+                return Err(BenchError::Failed {
+                    req: format!("room {room}"),
+                    reason,
+                });
+            }
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            return Err(BenchError::Config(
+                "push rooms did not complete within 300 s".into(),
+            ));
+        }
+        std::thread::yield_now();
+    }
+}
