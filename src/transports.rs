@@ -72,8 +72,8 @@ pub enum AnyTransport {
     Loopback(kvxfer_transport_loopback::LoopbackTransport),
 }
 
-/// Creates agent `agent` of the transport `kind`.
-pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
+/// Whether `kind` can be opened in this build, without creating anything.
+pub fn availability(kind: TransportKind) -> TransportResult<()> {
     if !kind.compiled() {
         return Err(TransportError::NotAvailable {
             what: format!("the {kind} transport"),
@@ -83,6 +83,18 @@ pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
             ),
         });
     }
+    match kind {
+        TransportKind::Loopback => Ok(()),
+        other => Err(TransportError::NotAvailable {
+            what: format!("the {other} transport"),
+            reason: "compiled in, but not implemented yet".into(),
+        }),
+    }
+}
+
+/// Creates agent `agent` of the transport `kind`.
+pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
+    availability(kind)?;
     match kind {
         #[cfg(feature = "loopback")]
         TransportKind::Loopback => {

@@ -228,13 +228,7 @@ fn side(
 
 /// Runs the bench. `progress(done, total)` is called as requests finish.
 pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchReport, BenchError> {
-    if !c.transport.compiled() {
-        return Err(BenchError::Config(format!(
-            "the {} transport is not compiled in; rebuild with `--features {}`",
-            c.transport,
-            c.transport.feature()
-        )));
-    }
+    crate::transports::availability(c.transport)?;
     if c.memory == Memory::Gpu {
         return Err(BenchError::Config(
             "GPU memory in `bench` is not supported yet; use --memory host (the loopback's GPU path is exercised by `cargo test --features cuda` on a machine with a device)".into(),
