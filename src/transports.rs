@@ -70,6 +70,9 @@ pub enum AnyTransport {
     /// The loopback.
     #[cfg(feature = "loopback")]
     Loopback(kvxfer_transport_loopback::LoopbackTransport),
+    /// NIXL.
+    #[cfg(feature = "nixl")]
+    Nixl(kvxfer_transport_nixl::NixlTransport),
 }
 
 /// Whether `kind` can be opened in this build, without creating anything.
@@ -85,6 +88,13 @@ pub fn availability(kind: TransportKind) -> TransportResult<()> {
     }
     match kind {
         TransportKind::Loopback => Ok(()),
+        #[cfg(feature = "nixl")]
+        TransportKind::Nixl => kvxfer_transport_nixl::runtime_available().map_err(|reason| {
+            TransportError::NotAvailable {
+                what: "the NIXL runtime".into(),
+                reason,
+            }
+        }),
         other => Err(TransportError::NotAvailable {
             what: format!("the {other} transport"),
             reason: "compiled in, but not implemented yet".into(),
@@ -100,6 +110,10 @@ pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
         TransportKind::Loopback => {
             kvxfer_transport_loopback::LoopbackTransport::new(agent).map(AnyTransport::Loopback)
         }
+        #[cfg(feature = "nixl")]
+        TransportKind::Nixl => {
+            kvxfer_transport_nixl::NixlTransport::new(agent).map(AnyTransport::Nixl)
+        }
         other => Err(TransportError::NotAvailable {
             what: format!("the {other} transport"),
             reason: "compiled in, but not implemented yet".into(),
@@ -112,6 +126,8 @@ macro_rules! dispatch {
         match $self {
             #[cfg(feature = "loopback")]
             AnyTransport::Loopback($t) => $call,
+            #[cfg(feature = "nixl")]
+            AnyTransport::Nixl($t) => $call,
         }
     };
 }

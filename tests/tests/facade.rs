@@ -22,6 +22,8 @@ impl TransportFactory for Facade {
                 l.faults().fail_next_transfers(n);
                 true
             }
+            #[allow(unreachable_patterns)]
+            _ => false,
         }
     }
 }

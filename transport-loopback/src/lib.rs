@@ -404,6 +404,7 @@ impl Transport for LoopbackTransport {
             notifications: true,
             max_descriptors: self.config.max_descriptors,
             max_notification_len: self.config.max_notification_len,
+            detects_peer_deregistration: true,
         }
     }
 

@@ -126,4 +126,7 @@ pub struct Capabilities {
     pub max_descriptors: usize,
     /// Largest notification message in bytes.
     pub max_notification_len: usize,
+    /// A transfer into memory the peer deregistered after we loaded its metadata fails
+    /// (the loopback sees it; network transports holding remote keys may not).
+    pub detects_peer_deregistration: bool,
 }

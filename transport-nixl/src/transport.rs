@@ -1,0 +1,712 @@
+//! The NIXL transport.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
+use kvxfer_core::{
+    AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
+    TransportError, TransportResult, XferId, XferStatus,
+};
+use nixl_sys::{
+    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs,
+    RegistrationHandle, XferDescList, XferOp, XferRequest,
+};
+
+use crate::{INSTALL_HINT, runtime_available};
+
+/// Settings of a NIXL agent.
+#[derive(Debug, Clone)]
+pub struct NixlConfig {
+    /// Backend plugin (UCX by default).
+    pub backend: String,
+    /// Most descriptors per list or transfer.
+    pub max_descriptors: usize,
+    /// Largest notification.
+    pub max_notification_len: usize,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig {
+            backend: "UCX".into(),
+            max_descriptors: 1 << 22,
+            max_notification_len: 64 << 10,
+        }
+    }
+}
+
+/// A raw memory range handed to NIXL for registration.
+#[derive(Debug)]
+struct Raw {
+    addr: u64,
+    len: u64,
+    kind: MemoryKind,
+}
+
+impl MemoryRegion for Raw {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len as usize
+    }
+}
+
+impl NixlDescriptor for Raw {
+    fn mem_type(&self) -> MemType {
+        mem_type(self.kind)
+    }
+
+    fn device_id(&self) -> u64 {
+        match self.kind {
+            MemoryKind::Host => 0,
+            MemoryKind::Gpu { device } => device.into(),
+        }
+    }
+}
+
+fn mem_type(kind: MemoryKind) -> MemType {
+    match kind {
+        MemoryKind::Host => MemType::Dram,
+        MemoryKind::Gpu { .. } => MemType::Vram,
+    }
+}
+
+fn dev(kind: MemoryKind) -> u64 {
+    match kind {
+        MemoryKind::Host => 0,
+        MemoryKind::Gpu { device } => device.into(),
+    }
+}
+
+fn backend_err(what: &str, e: nixl_sys::NixlError) -> TransportError {
+    TransportError::Backend(format!("NIXL {what}: {e}"))
+}
+
+/// Registered regions, shared with the registration guards.
+#[derive(Default)]
+struct Regions {
+    handles: Mutex<HashMap<u64, (MemoryKind, AddrRange, RegistrationHandle)>>,
+}
+
+// SAFETY: a RegistrationHandle holds an Arc to the agent and plain integers; NIXL's agent is
+// internally locked, and the handle is only used to deregister.
+unsafe impl Send for Regions {}
+unsafe impl Sync for Regions {}
+
+impl Deregister for Regions {
+    fn deregister(&self, id: RegistrationId) {
+        // Dropping the NIXL handle deregisters the memory.
+        let removed = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id.0);
+        drop(removed);
+    }
+}
+
+impl Regions {
+    fn find(&self, kind: MemoryKind, r: &AddrRange) -> Option<AddrRange> {
+        let h = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        h.values()
+            .find(|(k, range, _)| *k == kind && range.contains(r))
+            .map(|(_, range, _)| *range)
+    }
+
+    fn list(&self) -> Vec<(MemoryKind, AddrRange)> {
+        let h = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        h.values().map(|(k, r, _)| (*k, *r)).collect()
+    }
+}
+
+struct Peer {
+    name: String,
+    advertised: Vec<(MemoryKind, AddrRange)>,
+}
+
+struct List {
+    kind: MemoryKind,
+    ranges: Vec<AddrRange>,
+    peer: Option<PeerId>,
+}
+
+struct Xfer {
+    req: Option<XferRequest>,
+    failed: Option<String>,
+}
+
+/// One NIXL agent.
+pub struct NixlTransport {
+    agent: Agent,
+    backend: Backend,
+    name: String,
+    config: NixlConfig,
+    regions: Arc<Regions>,
+    peers: HashMap<PeerId, Peer>,
+    lists: HashMap<DescListId, List>,
+    xfers: HashMap<XferId, Xfer>,
+    next_id: u64,
+}
+
+const MAGIC: &[u8; 4] = b"KVXN";
+
+impl NixlTransport {
+    /// A new agent with the default backend (UCX).
+    pub fn new(name: &str) -> TransportResult<Self> {
+        Self::with_config(name, NixlConfig::default())
+    }
+
+    /// A new agent with explicit settings. Fails with `NotAvailable` (never aborts) when the
+    /// runtime is missing, and lists the available backends when the asked one is not.
+    pub fn with_config(name: &str, config: NixlConfig) -> TransportResult<Self> {
+        runtime_available().map_err(|reason| TransportError::NotAvailable {
+            what: "the NIXL runtime".into(),
+            reason,
+        })?;
+        let agent = Agent::new(name).map_err(|e| backend_err("agent creation", e))?;
+        let plugins: Vec<String> = agent
+            .get_available_plugins()
+            .map(|l| {
+                l.iter()
+                    .filter_map(|p| p.ok().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !plugins.contains(&config.backend) {
+            return Err(TransportError::NotAvailable {
+                what: format!("NIXL backend {:?}", config.backend),
+                reason: format!(
+                    "available backends: {plugins:?} (set NIXL_PLUGIN_DIR; {INSTALL_HINT})"
+                ),
+            });
+        }
+        let (_mems, params) = agent
+            .get_plugin_params(&config.backend)
+            .map_err(|e| backend_err("plugin parameters", e))?;
+        let backend = agent
+            .create_backend(&config.backend, &params)
+            .map_err(|e| backend_err("backend creation", e))?;
+        Ok(NixlTransport {
+            agent,
+            backend,
+            name: name.to_string(),
+            config,
+            regions: Arc::default(),
+            peers: HashMap::new(),
+            lists: HashMap::new(),
+            xfers: HashMap::new(),
+            next_id: 1,
+        })
+    }
+
+    fn next(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn check_count(&self, what: &'static str, count: usize) -> TransportResult<()> {
+        if count > self.config.max_descriptors {
+            return Err(TransportError::TooLarge {
+                what,
+                count,
+                limit: self.config.max_descriptors,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_local(&self, kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<()> {
+        for r in ranges {
+            if self.regions.find(kind, r).is_none() {
+                return Err(TransportError::OutOfBounds {
+                    addr: r.addr,
+                    len: r.len,
+                    kind,
+                    whose: "locally",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_remote(
+        &self,
+        peer: PeerId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<&Peer> {
+        let p = self
+            .peers
+            .get(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        for r in ranges {
+            if !p
+                .advertised
+                .iter()
+                .any(|(k, a)| *k == kind && a.contains(r))
+            {
+                return Err(TransportError::OutOfBounds {
+                    addr: r.addr,
+                    len: r.len,
+                    kind,
+                    whose: "by the peer",
+                });
+            }
+        }
+        Ok(p)
+    }
+
+    fn opt_args(&self, notification: Option<&[u8]>) -> TransportResult<OptArgs> {
+        let mut args = OptArgs::new().map_err(|e| backend_err("options", e))?;
+        args.add_backend(&self.backend)
+            .map_err(|e| backend_err("options", e))?;
+        if let Some(n) = notification {
+            if n.len() > self.config.max_notification_len {
+                return Err(TransportError::TooLarge {
+                    what: "notification bytes",
+                    count: n.len(),
+                    limit: self.config.max_notification_len,
+                });
+            }
+            args.set_notification_message(n)
+                .map_err(|e| backend_err("notification", e))?;
+            args.set_has_notification(true)
+                .map_err(|e| backend_err("notification", e))?;
+        }
+        Ok(args)
+    }
+
+    fn submit(
+        &mut self,
+        op: Op,
+        peer_name: &str,
+        kinds: (MemoryKind, MemoryKind),
+        local: &[AddrRange],
+        remote: &[AddrRange],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        let args = self.opt_args(notification)?;
+        let id = XferId(self.next());
+        if local.is_empty() {
+            // NIXL refuses empty transfers: deliver the notification alone, as "done".
+            if let Some(n) = notification {
+                self.agent
+                    .send_notification(peer_name, n, Some(&self.backend))
+                    .map_err(|e| backend_err("notification", e))?;
+            }
+            self.xfers.insert(
+                id,
+                Xfer {
+                    req: None,
+                    failed: None,
+                },
+            );
+            return Ok(id);
+        }
+        let mut l =
+            XferDescList::new(mem_type(kinds.0)).map_err(|e| backend_err("descriptor list", e))?;
+        let mut r =
+            XferDescList::new(mem_type(kinds.1)).map_err(|e| backend_err("descriptor list", e))?;
+        for (a, b) in local.iter().zip(remote) {
+            l.add_desc(a.addr as usize, a.len as usize, dev(kinds.0));
+            r.add_desc(b.addr as usize, b.len as usize, dev(kinds.1));
+        }
+        let xop = match op {
+            Op::Read => XferOp::Read,
+            Op::Write => XferOp::Write,
+        };
+        let req = self
+            .agent
+            .create_xfer_req(xop, &l, &r, peer_name, Some(&args))
+            .map_err(|e| backend_err("transfer creation", e))?;
+        let failed = match self.agent.post_xfer_req(&req, Some(&args)) {
+            Ok(_) => None,
+            Err(e) => Some(format!("NIXL post failed: {e}")),
+        };
+        self.xfers.insert(
+            id,
+            Xfer {
+                req: Some(req),
+                failed,
+            },
+        );
+        Ok(id)
+    }
+}
+
+fn encode_meta(name: &str, regions: &[(MemoryKind, AddrRange)], nixl: &[u8]) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for (k, r) in regions {
+        let (tag, device) = match k {
+            MemoryKind::Host => (0u8, 0u32),
+            MemoryKind::Gpu { device } => (1, *device),
+        };
+        out.push(tag);
+        out.extend_from_slice(&device.to_le_bytes());
+        out.extend_from_slice(&r.addr.to_le_bytes());
+        out.extend_from_slice(&r.len.to_le_bytes());
+    }
+    out.extend_from_slice(nixl);
+    out
+}
+
+type Decoded<'a> = (String, Vec<(MemoryKind, AddrRange)>, &'a [u8]);
+
+fn decode_meta(bytes: &[u8]) -> Result<Decoded<'_>, String> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8], String> {
+        let end = at
+            .checked_add(n)
+            .filter(|&e| e <= bytes.len())
+            .ok_or("truncated metadata")?;
+        let s = &bytes[at..end];
+        at = end;
+        Ok(s)
+    };
+    if take(4)? != MAGIC {
+        return Err("not kvxfer NIXL metadata".into());
+    }
+    let u32_at = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let name_len = u32_at(take(4)?) as usize;
+    if name_len == 0 || name_len > 256 {
+        return Err(format!("agent name length {name_len}"));
+    }
+    let name = std::str::from_utf8(take(name_len)?)
+        .map_err(|_| "agent name is not UTF-8")?
+        .to_string();
+    let count = u32_at(take(4)?) as usize;
+    if count > 1 << 16 {
+        return Err(format!("{count} regions"));
+    }
+    let mut regions = Vec::with_capacity(count);
+    for _ in 0..count {
+        let tag = take(1)?[0];
+        let device = u32_at(take(4)?);
+        let addr = u64::from_le_bytes(take(8)?.try_into().map_err(|_| "truncated")?);
+        let len = u64::from_le_bytes(take(8)?.try_into().map_err(|_| "truncated")?);
+        let kind = match tag {
+            0 => MemoryKind::Host,
+            1 => MemoryKind::Gpu { device },
+            t => return Err(format!("memory kind tag {t}")),
+        };
+        if addr.checked_add(len).is_none() {
+            return Err("region wraps around".into());
+        }
+        regions.push((kind, AddrRange::new(addr, len)));
+    }
+    let rest = &bytes[at..];
+    if rest.is_empty() {
+        return Err("no NIXL metadata".into());
+    }
+    Ok((name, regions, rest))
+}
+
+impl Transport for NixlTransport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            host_memory: true,
+            // VRAM needs a CUDA-enabled backend and device; not probed here yet.
+            gpu_memory: false,
+            read: true,
+            write: true,
+            notifications: true,
+            max_descriptors: self.config.max_descriptors,
+            max_notification_len: self.config.max_notification_len,
+            detects_peer_deregistration: false,
+        }
+    }
+
+    fn register(&mut self, kind: MemoryKind, range: AddrRange) -> TransportResult<Registration> {
+        if let MemoryKind::Gpu { .. } = kind {
+            return Err(TransportError::NotAvailable {
+                what: "GPU memory on the NIXL transport".into(),
+                reason: "not supported by this build yet".into(),
+            });
+        }
+        let end = range
+            .end()
+            .ok_or_else(|| TransportError::InvalidRegistration("range wraps around".into()))?;
+        if range.len == 0 {
+            return Err(TransportError::InvalidRegistration("empty range".into()));
+        }
+        if self
+            .regions
+            .list()
+            .iter()
+            .any(|(_, r)| range.addr < r.addr + r.len && r.addr < end)
+        {
+            return Err(TransportError::InvalidRegistration(
+                "overlaps a registered region".into(),
+            ));
+        }
+        let raw = Raw {
+            addr: range.addr,
+            len: range.len,
+            kind,
+        };
+        let mut args = OptArgs::new().map_err(|e| backend_err("options", e))?;
+        args.add_backend(&self.backend)
+            .map_err(|e| backend_err("options", e))?;
+        let handle = self
+            .agent
+            .register_memory(&raw, Some(&args))
+            .map_err(|e| backend_err("registration", e))?;
+        let id = self.next();
+        self.regions
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, (kind, range, handle));
+        let owner: Arc<Regions> = Arc::clone(&self.regions);
+        Ok(Registration::new(RegistrationId(id), kind, range, owner))
+    }
+
+    fn metadata(&self) -> TransportResult<Vec<u8>> {
+        let nixl = self
+            .agent
+            .get_local_md()
+            .map_err(|e| backend_err("metadata", e))?;
+        Ok(encode_meta(&self.name, &self.regions.list(), &nixl))
+    }
+
+    fn load_peer(&mut self, metadata: &[u8]) -> TransportResult<PeerId> {
+        let (name, advertised, nixl) =
+            decode_meta(metadata).map_err(TransportError::InvalidMetadata)?;
+        if let Some((&id, _)) = self.peers.iter().find(|(_, p)| p.name == name) {
+            // Same name: a restart or a refresh. Drop the old one and its lists.
+            self.remove_peer(id)?;
+        }
+        let loaded = self.agent.load_remote_md(nixl).map_err(|e| {
+            TransportError::InvalidMetadata(format!("NIXL refused the metadata: {e}"))
+        })?;
+        if loaded != name {
+            return Err(TransportError::InvalidMetadata(format!(
+                "metadata names {name:?} but NIXL loaded {loaded:?}"
+            )));
+        }
+        let id = PeerId(self.next());
+        self.peers.insert(id, Peer { name, advertised });
+        Ok(id)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> TransportResult<()> {
+        let p = self
+            .peers
+            .remove(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        self.lists.retain(|_, l| l.peer != Some(peer));
+        let _ = self.agent.invalidate_remote_md(&p.name);
+        Ok(())
+    }
+
+    fn prepare_local(
+        &mut self,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        self.check_count("descriptors in list", ranges.len())?;
+        self.check_local(kind, ranges)?;
+        let id = DescListId(self.next());
+        self.lists.insert(
+            id,
+            List {
+                kind,
+                ranges: ranges.to_vec(),
+                peer: None,
+            },
+        );
+        Ok(id)
+    }
+
+    fn prepare_remote(
+        &mut self,
+        peer: PeerId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        self.check_count("descriptors in list", ranges.len())?;
+        self.check_remote(peer, kind, ranges)?;
+        let id = DescListId(self.next());
+        self.lists.insert(
+            id,
+            List {
+                kind,
+                ranges: ranges.to_vec(),
+                peer: Some(peer),
+            },
+        );
+        Ok(id)
+    }
+
+    fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
+        self.lists
+            .remove(&list)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownList(list))
+    }
+
+    fn post_indexed(
+        &mut self,
+        op: Op,
+        local: DescListId,
+        local_idx: &[u32],
+        remote: DescListId,
+        remote_idx: &[u32],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        if local_idx.len() != remote_idx.len() {
+            return Err(TransportError::Mismatch(format!(
+                "{} local indices, {} remote indices",
+                local_idx.len(),
+                remote_idx.len()
+            )));
+        }
+        let l = self
+            .lists
+            .get(&local)
+            .ok_or(TransportError::UnknownList(local))?;
+        let r = self
+            .lists
+            .get(&remote)
+            .ok_or(TransportError::UnknownList(remote))?;
+        if l.peer.is_some() {
+            return Err(TransportError::WrongList(local, "local"));
+        }
+        let Some(peer) = r.peer else {
+            return Err(TransportError::WrongList(remote, "remote"));
+        };
+        let gather = |list: &List, idx: &[u32]| -> TransportResult<Vec<AddrRange>> {
+            idx.iter()
+                .map(|&i| {
+                    list.ranges
+                        .get(i as usize)
+                        .copied()
+                        .ok_or(TransportError::IndexOutOfRange {
+                            index: i,
+                            len: list.ranges.len(),
+                        })
+                })
+                .collect()
+        };
+        let (lr, rr) = (gather(l, local_idx)?, gather(r, remote_idx)?);
+        let kinds = (l.kind, r.kind);
+        self.post(op, peer, kinds, &lr, &rr, notification)
+    }
+
+    fn post(
+        &mut self,
+        op: Op,
+        peer: PeerId,
+        kinds: (MemoryKind, MemoryKind),
+        local: &[AddrRange],
+        remote: &[AddrRange],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        if local.len() != remote.len() {
+            return Err(TransportError::Mismatch(format!(
+                "{} local ranges, {} remote ranges",
+                local.len(),
+                remote.len()
+            )));
+        }
+        self.check_count("descriptors in transfer", local.len())?;
+        if let Some(i) = local.iter().zip(remote).position(|(l, r)| l.len != r.len) {
+            return Err(TransportError::Mismatch(format!(
+                "descriptor {i}: local length {}, remote length {}",
+                local[i].len, remote[i].len
+            )));
+        }
+        self.check_local(kinds.0, local)?;
+        let name = self.check_remote(peer, kinds.1, remote)?.name.clone();
+        self.submit(op, &name, kinds, local, remote, notification)
+    }
+
+    fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
+        let x = self
+            .xfers
+            .get_mut(&xfer)
+            .ok_or(TransportError::UnknownTransfer(xfer))?;
+        if let Some(e) = &x.failed {
+            return Ok(XferStatus::Failed(e.clone()));
+        }
+        let Some(req) = &x.req else {
+            return Ok(XferStatus::Done);
+        };
+        match self.agent.get_xfer_status(req) {
+            Ok(nixl_sys::XferStatus::Success) => Ok(XferStatus::Done),
+            Ok(nixl_sys::XferStatus::InProgress) => Ok(XferStatus::InProgress),
+            Err(e) => {
+                let reason = format!("NIXL transfer error: {e}");
+                x.failed = Some(reason.clone());
+                Ok(XferStatus::Failed(reason))
+            }
+        }
+    }
+
+    fn release(&mut self, xfer: XferId) -> TransportResult<()> {
+        // Dropping the request releases it in NIXL (aborting it if still in flight).
+        self.xfers
+            .remove(&xfer)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownTransfer(xfer))
+    }
+
+    fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
+        if message.len() > self.config.max_notification_len {
+            return Err(TransportError::TooLarge {
+                what: "notification bytes",
+                count: message.len(),
+                limit: self.config.max_notification_len,
+            });
+        }
+        let p = self
+            .peers
+            .get(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        self.agent
+            .send_notification(&p.name, message, Some(&self.backend))
+            .map_err(|e| backend_err("notification", e))
+    }
+
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
+        let mut map = NotificationMap::new().map_err(|e| backend_err("notifications", e))?;
+        self.agent
+            .get_notifications(&mut map, None)
+            .map_err(|e| backend_err("notifications", e))?;
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_string))
+            .collect();
+        let before = out.len();
+        for agent in agents {
+            let n = map.get_notifications_size(&agent).unwrap_or(0);
+            for i in 0..n {
+                if let Ok(message) = map.get_notification_bytes(&agent, i) {
+                    out.push(Notification {
+                        from: agent.clone(),
+                        message,
+                    });
+                }
+            }
+        }
+        Ok(out.len() - before)
+    }
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        // Requests before registrations before the agent.
+        self.xfers.clear();
+        self.lists.clear();
+    }
+}
