@@ -133,3 +133,50 @@ fn bench_errors_are_clear() {
         assert!(known.iter().any(|k| err.contains(k.as_str())), "{t}: {err}");
     }
 }
+
+/// Pull and push end to end over NIXL (host memory, UCX backend), bytes verified, when this
+/// build has the transport and the runtime is installed; otherwise the skip is printed.
+#[test]
+fn bench_over_nixl_pull_and_push() {
+    let (_, _, probe) = kvxfer(&["bench", "--transport", "nixl", "--requests", "0"]);
+    if !probe.contains("must be positive") {
+        println!("SKIP [nixl] bench scenarios: {}", probe.trim());
+        return;
+    }
+    for (mode, tp, order) in [
+        ("pull", "1:2", "hnd"),
+        ("pull", "2:1", "nhd"),
+        ("push", "1:2", "nhd"),
+        ("push", "2:1", "hnd"),
+    ] {
+        let mut args = SMALL.to_vec();
+        args.extend([
+            "--transport",
+            "nixl",
+            "--mode",
+            mode,
+            "--tp",
+            tp,
+            "--order",
+            order,
+        ]);
+        let (code, out, err) = kvxfer(&args);
+        assert_eq!(code, 0, "{mode} {tp} over nixl: {err}");
+        assert!(
+            out.contains("over nixl") && out.contains("all correct"),
+            "{out}"
+        );
+    }
+    let mut args = SMALL.to_vec();
+    args.extend([
+        "--transport",
+        "nixl",
+        "--model",
+        "deepseek-v3",
+        "--tp",
+        "2:1",
+    ]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "MLA over nixl: {err}");
+    assert!(out.contains("all correct"), "{out}");
+}
