@@ -380,6 +380,8 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     let memcpy = memcpy_baseline(&pre.ranks[0].mem, moved, piece);
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;
+    report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
+    report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
     finish(&mut report, c, latencies, moved, measured, memcpy);
     Ok(report)
 }

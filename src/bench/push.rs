@@ -197,6 +197,8 @@ pub(super) fn run(
             wave_metrics.kv_bytes += m.kv_bytes;
             wave_metrics.descriptors_raw += m.descriptors_raw;
             wave_metrics.descriptors_posted += m.descriptors_posted;
+            wave_metrics.post_time += m.post_time;
+            wave_metrics.plan_time += m.plan_time;
         }
         for (room, remote, local) in &jobs {
             let pairs: Vec<(u32, u32)> =
@@ -225,6 +227,8 @@ pub(super) fn run(
             moved += wave_metrics.kv_bytes;
             metrics.descriptors_raw += wave_metrics.descriptors_raw;
             metrics.descriptors_posted += wave_metrics.descriptors_posted;
+            metrics.post_time += wave_metrics.post_time;
+            metrics.plan_time += wave_metrics.plan_time;
             report.requests += jobs.len() as u32;
         }
         progress(next, total);
@@ -236,6 +240,8 @@ pub(super) fn run(
     );
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;
+    report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
+    report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
     finish(&mut report, c, latencies, moved, measured, memcpy);
     Ok(report)
 }

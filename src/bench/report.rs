@@ -37,6 +37,11 @@ pub struct BenchReport {
     pub descriptors_raw: u64,
     /// Descriptors posted.
     pub descriptors_posted: u64,
+    /// Time per request to plan and post its transfers (the transport's post call included,
+    /// which may already move data).
+    pub post_ms_per_request: f64,
+    /// Of which: computing the coalesced plans and range lists.
+    pub plan_ms_per_request: f64,
     /// Mean handshake time.
     pub handshake_ms: f64,
     /// Latency of the first request (handshake included).
@@ -88,6 +93,13 @@ impl BenchReport {
             (
                 "descriptors raw -> posted",
                 format!("{} -> {}", self.descriptors_raw, self.descriptors_posted),
+            ),
+            (
+                "plan / plan + post per request",
+                format!(
+                    "{:.3} ms / {:.3} ms",
+                    self.plan_ms_per_request, self.post_ms_per_request
+                ),
             ),
             ("handshake", format!("{:.2} ms", self.handshake_ms)),
             (

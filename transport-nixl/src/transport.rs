@@ -24,6 +24,13 @@ pub struct NixlConfig {
     pub max_descriptors: usize,
     /// Largest notification.
     pub max_notification_len: usize,
+    /// Start NIXL's progress thread, as NIXL's Python agent does by default: transfers and
+    /// notifications progress without polling (over TCP the target side needs it), at the
+    /// cost of a thread waking every `progress_delay_us`. `KVXFER_NIXL_PROGRESS_THREAD=0`
+    /// turns it off.
+    pub progress_thread: bool,
+    /// Sleep of the progress thread between rounds, in microseconds.
+    pub progress_delay_us: u64,
 }
 
 impl Default for NixlConfig {
@@ -32,6 +39,9 @@ impl Default for NixlConfig {
             backend: "UCX".into(),
             max_descriptors: 1 << 22,
             max_notification_len: 64 << 10,
+            progress_thread: std::env::var("KVXFER_NIXL_PROGRESS_THREAD")
+                .map_or(true, |v| v != "0"),
+            progress_delay_us: 50,
         }
     }
 }
@@ -166,7 +176,18 @@ impl NixlTransport {
             what: "the NIXL runtime".into(),
             reason,
         })?;
-        let agent = Agent::new(name).map_err(|e| backend_err("agent creation", e))?;
+        let agent = if config.progress_thread {
+            let cfg = nixl_sys::AgentConfig {
+                enable_prog_thread: true,
+                thread_sync: nixl_sys::ThreadSync::Default,
+                pthr_delay_us: config.progress_delay_us,
+                ..nixl_sys::AgentConfig::default()
+            };
+            Agent::new_configured(name, &cfg)
+        } else {
+            Agent::new(name)
+        }
+        .map_err(|e| backend_err("agent creation", e))?;
         let plugins: Vec<String> = agent
             .get_available_plugins()
             .map(|l| {

@@ -13,8 +13,10 @@ pub struct PullMetrics {
     pub descriptors_raw: u64,
     /// Descriptors posted after coalescing.
     pub descriptors_posted: u64,
-    /// Time spent planning and posting.
+    /// Time spent planning and posting (the transport's post call included).
     pub post_time: Duration,
+    /// Of which: computing the coalesced plans and range lists.
+    pub plan_time: Duration,
     /// Time from post to completion, summed over completed transfers.
     pub transfer_time: Duration,
     /// Handshakes that failed (timeout, bad reply, incompatible layout).
@@ -41,6 +43,7 @@ impl PullMetrics {
         self.descriptors_raw += o.descriptors_raw;
         self.descriptors_posted += o.descriptors_posted;
         self.post_time += o.post_time;
+        self.plan_time += o.plan_time;
         self.transfer_time += o.transfer_time;
         self.failed_handshakes += o.failed_handshakes;
         self.failed_setups += o.failed_setups;

@@ -528,6 +528,7 @@ impl<T: Transport> PullWorker<T> {
                         dst: local,
                         windows: self.cache.layer_windows.as_deref(),
                     };
+                    let planning = self.clock.now();
                     plan_transfer_into(
                         &side,
                         &own,
@@ -543,6 +544,7 @@ impl<T: Transport> PullWorker<T> {
                         &mut self.ranges.0,
                         &mut self.ranges.1,
                     );
+                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
                     let kinds = (self.cache.memory, self.cache.memory);
                     let x = self
                         .transport

@@ -149,6 +149,8 @@ pub struct PushMetrics {
     pub descriptors_posted: u64,
     /// Time spent planning and posting.
     pub post_time: std::time::Duration,
+    /// Of which: computing the coalesced plans and range lists.
+    pub plan_time: std::time::Duration,
     /// Rooms that failed.
     pub failed_rooms: u64,
 }
@@ -617,6 +619,7 @@ impl<T: Transport> PushPrefill<T> {
             dst: dst_pages,
             windows: None,
         };
+        let planning = self.clock.now();
         plan_transfer_into(
             &src,
             &dst,
@@ -632,6 +635,7 @@ impl<T: Transport> PushPrefill<T> {
             &mut self.ranges.0,
             &mut self.ranges.1,
         );
+        self.metrics.plan_time += self.clock.now().saturating_sub(planning);
         self.metrics.kv_bytes += self.plan.total_bytes;
         self.metrics.descriptors_raw += self.plan.raw_count;
         self.metrics.descriptors_posted += self.plan.len() as u64;
