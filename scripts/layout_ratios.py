@@ -23,7 +23,7 @@ def peer_ms(file, pattern):
     return [float(m) for m in re.findall(pattern, p.read_text())]
 
 
-ids = mean_us("desc_ids/llama8b")
+ids = mean_us("desc_ids_llama8b")
 nhd = mean_us("nhd_hetero_tp/coalesced")
 nhd_reused = mean_us("nhd_hetero_tp/coalesced_reused_buffer")
 s128, s1280 = mean_us("plan_scaling/128"), mean_us("plan_scaling/1280")
