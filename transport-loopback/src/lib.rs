@@ -17,6 +17,7 @@ mod xfer;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
+use kvxfer_core::transport::checks::{check_pairs, gather};
 use kvxfer_core::transport::{Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -555,21 +556,11 @@ impl Transport for LoopbackTransport {
         let Some(peer) = r.peer else {
             return Err(TransportError::WrongList(remote, "remote"));
         };
-        let gather = |list: &PreparedList, idx: &[u32]| -> TransportResult<Vec<AddrRange>> {
-            idx.iter()
-                .map(|&i| {
-                    list.ranges
-                        .get(i as usize)
-                        .copied()
-                        .ok_or(TransportError::IndexOutOfRange {
-                            index: i,
-                            len: list.ranges.len(),
-                        })
-                })
-                .collect()
-        };
-        let (lr, rr) = (gather(l, local_idx)?, gather(r, remote_idx)?);
-        check_lengths(&lr, &rr)?;
+        let (lr, rr) = (
+            gather(&l.ranges, local_idx)?,
+            gather(&r.ranges, remote_idx)?,
+        );
+        check_pairs(&lr, &rr)?;
         let kinds = (l.kind, r.kind);
         let (lreg, rreg) = (l.regions.clone(), r.regions.clone());
         self.submit(op, peer, kinds, &lr, &rr, (&lreg, &rreg), notification)
@@ -594,7 +585,7 @@ impl Transport for LoopbackTransport {
             )));
         }
         self.check_count("descriptors in transfer", local.len())?;
-        check_lengths(local, remote)?;
+        check_pairs(local, remote)?;
         let lreg = self.local_regions(kinds.0, local)?;
         let rreg = self.remote_regions(self.peer(peer)?, kinds.1, remote)?;
         self.submit(op, peer, kinds, local, remote, (&lreg, &rreg), notification)
@@ -640,14 +631,4 @@ impl Transport for LoopbackTransport {
 fn sorted(mut regions: Vec<(MemoryKind, AddrRange)>) -> Vec<(MemoryKind, AddrRange)> {
     regions.sort_unstable_by_key(|(_, r)| r.addr);
     regions
-}
-
-fn check_lengths(local: &[AddrRange], remote: &[AddrRange]) -> TransportResult<()> {
-    match local.iter().zip(remote).position(|(l, r)| l.len != r.len) {
-        Some(i) => Err(TransportError::Mismatch(format!(
-            "descriptor {i}: local length {}, remote length {}",
-            local[i].len, remote[i].len
-        ))),
-        None => Ok(()),
-    }
 }

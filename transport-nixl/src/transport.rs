@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use kvxfer_core::transport::checks::{check_pairs, gather};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -606,20 +607,10 @@ impl Transport for NixlTransport {
         let Some(peer) = r.peer else {
             return Err(TransportError::WrongList(remote, "remote"));
         };
-        let gather = |list: &List, idx: &[u32]| -> TransportResult<Vec<AddrRange>> {
-            idx.iter()
-                .map(|&i| {
-                    list.ranges
-                        .get(i as usize)
-                        .copied()
-                        .ok_or(TransportError::IndexOutOfRange {
-                            index: i,
-                            len: list.ranges.len(),
-                        })
-                })
-                .collect()
-        };
-        let (lr, rr) = (gather(l, local_idx)?, gather(r, remote_idx)?);
+        let (lr, rr) = (
+            gather(&l.ranges, local_idx)?,
+            gather(&r.ranges, remote_idx)?,
+        );
         let kinds = (l.kind, r.kind);
         self.post(op, peer, kinds, &lr, &rr, notification)
     }
@@ -633,20 +624,8 @@ impl Transport for NixlTransport {
         remote: &[AddrRange],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        if local.len() != remote.len() {
-            return Err(TransportError::Mismatch(format!(
-                "{} local ranges, {} remote ranges",
-                local.len(),
-                remote.len()
-            )));
-        }
+        check_pairs(local, remote)?;
         self.check_count("descriptors in transfer", local.len())?;
-        if let Some(i) = local.iter().zip(remote).position(|(l, r)| l.len != r.len) {
-            return Err(TransportError::Mismatch(format!(
-                "descriptor {i}: local length {}, remote length {}",
-                local[i].len, remote[i].len
-            )));
-        }
         self.check_local(kinds.0, local)?;
         let name = self.check_remote(peer, kinds.1, remote)?.name.clone();
         self.submit(op, &name, kinds, local, remote, notification)

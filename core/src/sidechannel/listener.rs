@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 
-use super::{context, endpoint};
+use super::{bind_router, endpoint};
 use crate::wire::handshake::GET_META_MSG;
 
 /// Requests larger than this are dropped unread (a real request is a few bytes).
@@ -36,34 +36,8 @@ impl Listener {
     /// of exactly `get_meta_msg` get this rank's reply, requests naming a rank get that
     /// rank's reply if this listener holds it.
     pub fn bind(host: &str, port: u16, rank: u32, reply: Vec<u8>) -> Result<Self, String> {
-        let socket = context()
-            .socket(zmq::ROUTER)
-            .map_err(|e| format!("cannot create ROUTER socket: {e}"))?;
-        socket.set_linger(0).map_err(|e| e.to_string())?;
-        socket
-            .set_rcvtimeo(POLL_MS as i32)
-            .map_err(|e| e.to_string())?;
-        socket.set_sndtimeo(1000).map_err(|e| e.to_string())?;
-        socket
-            .set_maxmsgsize(MAX_REQUEST_BYTES as i64)
-            .map_err(|e| e.to_string())?;
-        let addr = if port == 0 {
-            endpoint(host, 0).replace(":0", ":*")
-        } else {
-            endpoint(host, port)
-        };
-        socket
-            .bind(&addr)
-            .map_err(|e| format!("cannot bind {addr}: {e}"))?;
-        let bound = socket
-            .get_last_endpoint()
-            .map_err(|e| e.to_string())?
-            .map_err(|_| "bound endpoint is not UTF-8".to_string())?;
-        let port = bound
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .ok_or_else(|| format!("cannot read the port of {bound}"))?;
+        let (socket, port) = bind_router(host, port, MAX_REQUEST_BYTES, POLL_MS as i32)?;
+        let bound = endpoint(host, port);
         let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ListenerStats::default());

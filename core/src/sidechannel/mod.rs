@@ -29,6 +29,43 @@ pub fn side_channel_port(
     u16::try_from(u64::from(base_port) + offset).ok()
 }
 
+/// A ROUTER socket bound to `host:port` (0 picks a free port) that drops messages above
+/// `max_message` bytes and wakes every `poll_ms` to check for shutdown; returns the port.
+pub(crate) fn bind_router(
+    host: &str,
+    port: u16,
+    max_message: usize,
+    poll_ms: i32,
+) -> Result<(zmq::Socket, u16), String> {
+    let socket = context()
+        .socket(zmq::ROUTER)
+        .map_err(|e| format!("cannot create ROUTER socket: {e}"))?;
+    socket.set_linger(0).map_err(|e| e.to_string())?;
+    socket.set_rcvtimeo(poll_ms).map_err(|e| e.to_string())?;
+    socket.set_sndtimeo(1000).map_err(|e| e.to_string())?;
+    socket
+        .set_maxmsgsize(i64::try_from(max_message).unwrap_or(i64::MAX))
+        .map_err(|e| e.to_string())?;
+    let addr = if port == 0 {
+        endpoint(host, 0).replace(":0", ":*")
+    } else {
+        endpoint(host, port)
+    };
+    socket
+        .bind(&addr)
+        .map_err(|e| format!("cannot bind {addr}: {e}"))?;
+    let bound = socket
+        .get_last_endpoint()
+        .map_err(|e| e.to_string())?
+        .map_err(|_| "bound endpoint is not UTF-8".to_string())?;
+    let port = bound
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| format!("cannot read the port of {bound}"))?;
+    Ok((socket, port))
+}
+
 /// A `tcp://host:port` endpoint, with IPv6 hosts bracketed.
 pub(crate) fn endpoint(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {

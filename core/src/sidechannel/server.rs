@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
-use super::{context, endpoint};
+use super::bind_router;
 
 /// Handles one request, returning the reply.
 pub type Handler = Box<dyn FnMut(&[u8]) -> Vec<u8> + Send>;
@@ -27,30 +27,7 @@ impl MessageServer {
         max_request: usize,
         mut handler: Handler,
     ) -> Result<Self, String> {
-        let socket = context().socket(zmq::ROUTER).map_err(|e| e.to_string())?;
-        socket.set_linger(0).map_err(|e| e.to_string())?;
-        socket.set_rcvtimeo(50).map_err(|e| e.to_string())?;
-        socket.set_sndtimeo(1000).map_err(|e| e.to_string())?;
-        socket
-            .set_maxmsgsize(i64::try_from(max_request).unwrap_or(i64::MAX))
-            .map_err(|e| e.to_string())?;
-        let addr = if port == 0 {
-            endpoint(host, 0).replace(":0", ":*")
-        } else {
-            endpoint(host, port)
-        };
-        socket
-            .bind(&addr)
-            .map_err(|e| format!("cannot bind {addr}: {e}"))?;
-        let bound = socket
-            .get_last_endpoint()
-            .map_err(|e| e.to_string())?
-            .map_err(|_| "bound endpoint is not UTF-8".to_string())?;
-        let port = bound
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .ok_or_else(|| format!("cannot read the port of {bound}"))?;
+        let (socket, port) = bind_router(host, port, max_request, 50)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = std::thread::Builder::new()

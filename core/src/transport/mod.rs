@@ -6,6 +6,7 @@
 //! layers. Every method is called from one thread at a time (`&mut self`); all types are
 //! `Send` so a transport can move between threads.
 
+pub mod checks;
 mod error;
 mod registration;
 mod types;
