@@ -180,3 +180,28 @@ fn bench_over_nixl_pull_and_push() {
     assert_eq!(code, 0, "MLA over nixl: {err}");
     assert!(out.contains("all correct"), "{out}");
 }
+
+#[test]
+fn bench_sweep_writes_a_chart() {
+    let dir = std::env::temp_dir().join(format!("kvxfer-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let chart = dir.join("sweep.svg");
+    let path = chart.to_str().unwrap().to_string();
+    let mut args = SMALL.to_vec();
+    args.extend(["--sweep", "tokens=32,64", "--chart", &path]);
+    let (code, out, err) = kvxfer(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("tokens per request = 32") && out.contains("tokens per request = 64"),
+        "{out}"
+    );
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline") && svg.matches("<circle").count() == 2,
+        "{svg}"
+    );
+    let (code, _, err) = kvxfer(&["bench", "--sweep", "colour=1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown sweep parameter"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -58,6 +58,9 @@ enum Command {
         /// Tensor parallelism as PREFILL:DECODE, e.g. 2:4.
         #[arg(long, default_value = "1:1", value_parser = parse_tp)]
         tp: (u32, u32),
+        /// Pipeline stages on the prefill side (push mode), layers split as evenly as possible.
+        #[arg(long, default_value_t = 1)]
+        pp: u32,
         /// In-block order of the caches.
         #[arg(long, value_enum, default_value = "hnd")]
         order: Order,
@@ -97,6 +100,13 @@ enum Command {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Run once per value of a parameter, e.g. `tokens=512,2048,8192` or
+        /// `block-size=16,32,64`, and write a chart of throughput against it.
+        #[arg(long, value_parser = parse_sweep)]
+        sweep: Option<(SweepParam, Vec<u32>)>,
+        /// Where `--sweep` writes its chart (SVG).
+        #[arg(long, default_value = "kvxfer-sweep.svg")]
+        chart: PathBuf,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     Inspect {
@@ -124,6 +134,36 @@ enum Command {
     },
 }
 
+/// A parameter `--sweep` varies.
+#[derive(Clone, Copy, Debug)]
+enum SweepParam {
+    Tokens,
+    BlockSize,
+}
+
+fn parse_sweep(s: &str) -> Result<(SweepParam, Vec<u32>), String> {
+    let (name, values) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected PARAM=V1,V2,..., got {s:?}"))?;
+    let param = match name {
+        "tokens" => SweepParam::Tokens,
+        "block-size" => SweepParam::BlockSize,
+        other => {
+            return Err(format!(
+                "unknown sweep parameter {other:?} (tokens, block-size)"
+            ));
+        }
+    };
+    let values: Vec<u32> = values
+        .split(',')
+        .map(|v| v.trim().parse::<u32>().map_err(|e| format!("{v:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    if values.is_empty() || values.len() > 64 {
+        return Err("a sweep takes 1 to 64 values".into());
+    }
+    Ok((param, values))
+}
+
 fn parse_tp(s: &str) -> Result<(u32, u32), String> {
     let (p, d) = s
         .split_once(':')
@@ -134,10 +174,18 @@ fn parse_tp(s: &str) -> Result<(u32, u32), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs go to stderr, filtered by RUST_LOG (warnings by default).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     match cli.command {
         Command::Bench {
             model,
             tp,
+            pp,
             order,
             block_size,
             num_blocks,
@@ -151,12 +199,15 @@ fn main() -> ExitCode {
             mode,
             seed,
             json,
+            sweep,
+            chart,
         } => {
             let config = BenchConfig {
                 model,
                 order: block_order(order),
                 prefill_tp: tp.0,
                 decode_tp: tp.1,
+                prefill_pp: pp,
                 block_size,
                 num_blocks,
                 requests,
@@ -175,7 +226,10 @@ fn main() -> ExitCode {
                 },
                 seed,
             };
-            bench(&config, json)
+            match sweep {
+                None => bench(&config, json),
+                Some((param, values)) => sweep_bench(&config, param, &values, json, &chart),
+            }
         }
         Command::Inspect {
             model,
@@ -254,4 +308,72 @@ fn bench(config: &BenchConfig, json: Option<PathBuf>) -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn sweep_bench(
+    base: &BenchConfig,
+    param: SweepParam,
+    values: &[u32],
+    json: Option<PathBuf>,
+    chart: &std::path::Path,
+) -> ExitCode {
+    let mut reports = Vec::new();
+    let label = match param {
+        SweepParam::Tokens => "tokens per request",
+        SweepParam::BlockSize => "tokens per block",
+    };
+    for &v in values {
+        let mut c = base.clone();
+        match param {
+            SweepParam::Tokens => c.tokens_per_request = v,
+            SweepParam::BlockSize => c.block_size = v,
+        }
+        println!("{label} = {v}");
+        match kvxfer::bench::run(&c, &mut |_, _| {}) {
+            Ok(r) => {
+                print!("{}", r.table());
+                reports.push((v, r));
+            }
+            Err(e) => {
+                eprintln!("error at {label} = {v}: {e}");
+                return ExitCode::from(
+                    if matches!(e, kvxfer::bench::BenchError::Verification(_)) {
+                        1
+                    } else {
+                        2
+                    },
+                );
+            }
+        }
+    }
+    let points: Vec<(f64, f64)> = reports
+        .iter()
+        .map(|(v, r)| (f64::from(*v), r.gb_per_s))
+        .collect();
+    let title = format!(
+        "{} {} over {}: throughput vs {label}",
+        base.model.name,
+        if base.mode == Mode::Pull {
+            "pull"
+        } else {
+            "push"
+        },
+        base.transport
+    );
+    if let Err(e) = std::fs::write(chart, kvxfer::bench::chart::svg(&title, label, &points)) {
+        eprintln!("error: cannot write {}: {e}", chart.display());
+        return ExitCode::from(2);
+    }
+    println!("chart written to {}", chart.display());
+    if let Some(path) = json {
+        let all: Vec<&kvxfer::bench::BenchReport> = reports.iter().map(|(_, r)| r).collect();
+        if let Err(e) = std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&all).unwrap_or_default(),
+        ) {
+            eprintln!("error: cannot write {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
+    ExitCode::SUCCESS
 }

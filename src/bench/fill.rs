@@ -37,7 +37,7 @@ fn generate(out: &mut [u8], mut state: u64) {
 /// memory, length, identity seed)`, with `map_block` giving the identity block of a block.
 fn for_each_run(
     spec: &CacheSpec,
-    first_head: u32,
+    (first_head, first_layer): (u32, u32),
     blocks: &[u32],
     map_block: impl Fn(usize) -> u32,
     mut f: impl FnMut(usize, usize, u64),
@@ -55,7 +55,7 @@ fn for_each_run(
                             f(
                                 at,
                                 r.len as usize,
-                                seed(layer, part, id_block, t, first_head + h),
+                                seed(first_layer + layer, part, id_block, t, first_head + h),
                             );
                         }
                     }
@@ -65,12 +65,13 @@ fn for_each_run(
     }
 }
 
-/// Fills a whole prefill cache (`mem` holds its regions back to back).
-pub fn fill(mem: &mut [u8], spec: &CacheSpec, first_head: u32) {
+/// Fills a whole prefill cache (`mem` holds its regions back to back) whose first head and
+/// first layer are `origin`.
+pub fn fill(mem: &mut [u8], spec: &CacheSpec, origin: (u32, u32)) {
     let all: Vec<u32> = (0..spec.num_blocks()).collect();
     for_each_run(
         spec,
-        first_head,
+        origin,
         &all,
         |i| i as u32,
         |at, len, s| generate(&mut mem[at..at + len], s),
@@ -78,11 +79,12 @@ pub fn fill(mem: &mut [u8], spec: &CacheSpec, first_head: u32) {
 }
 
 /// Checks that decode block `pairs[i].1` holds prefill block `pairs[i].0` for every head this
-/// rank holds. Returns the number of bytes checked, or the first mismatch.
+/// rank holds (`origin`: its first head and first layer). Returns the bytes checked, or the
+/// first mismatch.
 pub fn verify(
     mem: &[u8],
     spec: &CacheSpec,
-    first_head: u32,
+    origin: (u32, u32),
     pairs: &[(u32, u32)],
 ) -> Result<u64, String> {
     let dst: Vec<u32> = pairs.iter().map(|p| p.1).collect();
@@ -91,7 +93,7 @@ pub fn verify(
     let mut bad = None;
     for_each_run(
         spec,
-        first_head,
+        origin,
         &dst,
         |i| pairs[i].0,
         |at, len, s| {

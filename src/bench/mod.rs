@@ -2,6 +2,7 @@
 //! requests over a transport and verifying every byte, measured against single-thread memcpy
 //! of the same bytes in the same run.
 
+pub mod chart;
 mod fill;
 mod push;
 mod report;
@@ -46,6 +47,8 @@ pub struct BenchConfig {
     pub order: BlockOrder,
     /// Prefill TP.
     pub prefill_tp: u32,
+    /// Prefill pipeline stages (push mode).
+    pub prefill_pp: u32,
     /// Decode TP.
     pub decode_tp: u32,
     /// Tokens per block.
@@ -101,6 +104,7 @@ pub(crate) struct Rank {
     pub(crate) mem: Vec<u8>,
     pub(crate) spec: CacheSpec,
     pub(crate) first_head: u32,
+    pub(crate) first_layer: u32,
 }
 
 impl Rank {
@@ -110,6 +114,7 @@ impl Rank {
             mem: vec![0x5a; spec.total_bytes() as usize],
             spec,
             first_head,
+            first_layer: 0,
         }
     }
 
@@ -123,7 +128,7 @@ impl Rank {
             memory: MemoryKind::Host,
             total_kv_heads: model.kv_heads,
             total_layers: model.layers,
-            first_layer: 0,
+            first_layer: self.first_layer,
             layer_windows: None,
         }
     }
@@ -197,7 +202,7 @@ fn side(
             ))?;
             let mut rank = Rank::new(spec, heads.first);
             if prefill {
-                fill::fill(&mut rank.mem, &spec, heads.first);
+                fill::fill(&mut rank.mem, &spec, (heads.first, 0));
             }
             ranks.push(rank);
         }
@@ -241,6 +246,11 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     }
     if c.mode == Mode::Push {
         return push::run(c, progress);
+    }
+    if c.prefill_pp != 1 {
+        return Err(BenchError::Config(
+            "pipeline stages (--pp) are supported in push mode; use --mode push".into(),
+        ));
     }
     let per_request = c.tokens_per_request.div_ceil(c.block_size);
     let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
@@ -354,7 +364,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             let pairs: Vec<(u32, u32)> =
                 remote.iter().copied().zip(local.iter().copied()).collect();
             for (r, rank) in dec.ranks.iter().enumerate() {
-                let checked = fill::verify(&rank.mem, &rank.spec, rank.first_head, &pairs)
+                let checked = fill::verify(&rank.mem, &rank.spec, (rank.first_head, 0), &pairs)
                     .map_err(|e| {
                         BenchError::Verification(format!("{id} on decode rank {r}: {e}"))
                     })?;

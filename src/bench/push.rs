@@ -9,7 +9,7 @@ use kvxfer_core::push::{
     BootstrapRegistry, PushBuffers, PushDecode, PushDecodeConfig, PushMetrics, PushPrefill,
     PushPrefillConfig, RoomStatus, StateKind,
 };
-use kvxfer_layout::{CacheSpec, Side, TpMapping};
+use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 
 use super::{
     BenchConfig, BenchError, BenchReport, Rank, choose, fill, finish, memcpy_baseline, ms,
@@ -51,12 +51,14 @@ fn buffers(c: &BenchConfig, rank: &mut Rank) -> PushBuffers {
     }
 }
 
+/// The ranks of one side: TP ranks holding `layers` (a pipeline stage on the prefill side).
 fn ranks(
     c: &BenchConfig,
     mapping: &TpMapping,
     side: Side,
     tp: u32,
     num_blocks: u32,
+    layers: LayerRange,
 ) -> Result<Vec<Rank>, BenchError> {
     (0..tp)
         .map(|r| {
@@ -64,13 +66,14 @@ fn ranks(
             let spec = CacheSpec::new(c.model.rank_params(
                 c.order,
                 heads.count,
-                c.model.layers,
+                layers.count,
                 c.block_size,
                 num_blocks,
             ))?;
             let mut rank = Rank::new(spec, heads.first);
+            rank.first_layer = layers.first;
             if side == Side::Prefill {
-                fill::fill(&mut rank.mem, &spec, heads.first);
+                fill::fill(&mut rank.mem, &spec, (heads.first, layers.first));
             }
             Ok(rank)
         })
@@ -87,31 +90,54 @@ pub(super) fn run(
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let clock = Arc::new(SystemClock::default());
     let registry = BootstrapRegistry::bind("127.0.0.1", 0).map_err(BenchError::Config)?;
+    let split = PpSplit::even(c.model.layers, c.prefill_pp)?;
     let mut pre = Prefill {
         workers: Vec::new(),
-        ranks: ranks(c, &mapping, Side::Prefill, c.prefill_tp, num_blocks)?,
+        ranks: Vec::new(),
         registry,
     };
-    for r in 0..c.prefill_tp {
-        let cfg = PushPrefillConfig {
-            tp: (r, c.prefill_tp),
-            pp: (0, 1),
-            host: "127.0.0.1".into(),
-            port: 0,
-            registry: ("127.0.0.1".into(), pre.registry.port()),
-            bootstrap_timeout: Duration::from_secs(60),
-            request_timeout: Duration::from_secs(5),
-        };
-        let bufs = buffers(c, &mut pre.ranks[r as usize]);
-        let t = open(c.transport, &format!("bench-push-p{r}"))?;
-        pre.workers.push(
-            PushPrefill::new(t, cfg, bufs, clock.clone())
-                .map_err(|e| BenchError::Config(e.to_string()))?,
-        );
+    for stage in split.stages() {
+        pre.ranks.extend(ranks(
+            c,
+            &mapping,
+            Side::Prefill,
+            c.prefill_tp,
+            num_blocks,
+            *stage,
+        )?);
+    }
+    for i in 0..c.prefill_pp {
+        for r in 0..c.prefill_tp {
+            let cfg = PushPrefillConfig {
+                tp: (r, c.prefill_tp),
+                pp: (i, c.prefill_pp),
+                host: "127.0.0.1".into(),
+                port: 0,
+                registry: ("127.0.0.1".into(), pre.registry.port()),
+                bootstrap_timeout: Duration::from_secs(60),
+                request_timeout: Duration::from_secs(5),
+            };
+            let bufs = buffers(c, &mut pre.ranks[(i * c.prefill_tp + r) as usize]);
+            let t = open(c.transport, &format!("bench-push-p{i}-{r}"))?;
+            pre.workers.push(
+                PushPrefill::new(t, cfg, bufs, clock.clone())
+                    .map_err(|e| BenchError::Config(e.to_string()))?,
+            );
+        }
     }
     let mut dec = Decode {
         workers: Vec::new(),
-        ranks: ranks(c, &mapping, Side::Decode, c.decode_tp, num_blocks)?,
+        ranks: ranks(
+            c,
+            &mapping,
+            Side::Decode,
+            c.decode_tp,
+            num_blocks,
+            LayerRange {
+                first: 0,
+                count: c.model.layers,
+            },
+        )?,
     };
     for r in 0..c.decode_tp {
         let mut cfg = PushDecodeConfig::new(r, c.decode_tp);
@@ -205,9 +231,11 @@ pub(super) fn run(
                 remote.iter().copied().zip(local.iter().copied()).collect();
             for (r, rank) in dec.ranks.iter().enumerate() {
                 report.verified_bytes +=
-                    fill::verify(&rank.mem, &rank.spec, rank.first_head, &pairs).map_err(|e| {
-                        BenchError::Verification(format!("room {room} on decode rank {r}: {e}"))
-                    })?;
+                    fill::verify(&rank.mem, &rank.spec, (rank.first_head, 0), &pairs).map_err(
+                        |e| {
+                            BenchError::Verification(format!("room {room} on decode rank {r}: {e}"))
+                        },
+                    )?;
             }
             for p in &mut pre.workers {
                 p.remove_room(*room);

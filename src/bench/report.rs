@@ -57,7 +57,14 @@ pub struct BenchReport {
 impl BenchReport {
     pub(super) fn describe(&mut self, c: &BenchConfig) {
         self.model = c.model.name.to_string();
-        self.tp = format!("{}:{}", c.prefill_tp, c.decode_tp);
+        self.tp = if c.prefill_pp > 1 {
+            format!(
+                "{}:{}, prefill PP {}",
+                c.prefill_tp, c.decode_tp, c.prefill_pp
+            )
+        } else {
+            format!("{}:{}", c.prefill_tp, c.decode_tp)
+        };
         self.transport = c.transport.to_string();
         self.mode = match c.mode {
             Mode::Pull => "pull".into(),
