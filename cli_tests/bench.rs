@@ -205,3 +205,68 @@ fn bench_sweep_writes_a_chart() {
     assert!(err.contains("unknown sweep parameter"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kvxfer serve` in one process, `kvxfer bench --connect` in another, over NIXL; Ctrl-C
+/// (SIGINT) ends the server cleanly. Skipped with a printed reason without the runtime.
+#[test]
+fn serve_and_bench_in_two_processes() {
+    let (code, _, err) = kvxfer(&["serve", "--transport", "loopback", "--duration", "1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot cross processes"), "{err}");
+    let (_, _, probe) = kvxfer(&["bench", "--transport", "nixl", "--requests", "0"]);
+    if !probe.contains("must be positive") {
+        println!("SKIP [nixl] two-process run: {}", probe.trim());
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let shape = ["--num-blocks", "8", "--tp", "1:2"];
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args([
+            "serve",
+            "--transport",
+            "nixl",
+            "--port",
+            &port,
+            "--duration",
+            "120",
+        ])
+        .args(shape)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start serve");
+    // Wait until the server says it is listening.
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert!(line.contains("serving"), "{line}");
+    let connect = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "bench",
+        "--transport",
+        "nixl",
+        "--connect",
+        &connect,
+        "--tokens",
+        "64",
+        "--requests",
+        "2",
+        "--warmup",
+        "1",
+    ];
+    args.extend(shape);
+    let (code, out_text, err) = kvxfer(&args);
+    let pid = server.id().to_string();
+    let _ = Command::new("kill").args(["-INT", &pid]).status();
+    let status = server.wait().expect("serve exits");
+    assert_eq!(code, 0, "{err}");
+    assert!(out_text.contains("all correct"), "{out_text}");
+    assert!(
+        status.success(),
+        "serve did not end cleanly on SIGINT: {status:?}"
+    );
+}

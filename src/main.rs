@@ -107,6 +107,45 @@ enum Command {
         /// Where `--sweep` writes its chart (SVG).
         #[arg(long, default_value = "kvxfer-sweep.svg")]
         chart: PathBuf,
+        /// Decode only: pull from a prefill run by `kvxfer serve` at HOST:PORT (same model,
+        /// TP, block size and blocks on both sides; a transport that crosses processes).
+        #[arg(long, value_parser = parse_addr)]
+        connect: Option<(String, u16)>,
+    },
+    /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
+    /// its caches and answers reads until Ctrl-C (or `--duration`).
+    Serve {
+        /// Role of this process (only `prefill` serves).
+        #[arg(long, default_value = "prefill")]
+        role: String,
+        /// Address the side channel binds (loopback by default; e.g. 0.0.0.0 to serve other
+        /// hosts, an explicit choice).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Side-channel base port (rank r listens on PORT + r).
+        #[arg(long, default_value_t = 5600)]
+        port: u16,
+        /// Stop after this many seconds (default: until Ctrl-C).
+        #[arg(long)]
+        duration: Option<u64>,
+        /// Model preset.
+        #[arg(long, default_value = "llama-3-8b")]
+        model: ModelShape,
+        /// Tensor parallelism as PREFILL:DECODE.
+        #[arg(long, default_value = "1:1", value_parser = parse_tp)]
+        tp: (u32, u32),
+        /// In-block order.
+        #[arg(long, value_enum, default_value = "hnd")]
+        order: Order,
+        /// Tokens per block.
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+        /// Blocks per region.
+        #[arg(long, default_value_t = 256)]
+        num_blocks: u32,
+        /// Transport (one that crosses processes: nixl).
+        #[arg(long, default_value = "nixl")]
+        transport: TransportKind,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     Inspect {
@@ -164,6 +203,22 @@ fn parse_sweep(s: &str) -> Result<(SweepParam, Vec<u32>), String> {
     Ok((param, values))
 }
 
+fn parse_addr(s: &str) -> Result<(String, u16), String> {
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("expected HOST:PORT, got {s:?}"))?;
+    let port = port
+        .parse::<u16>()
+        .map_err(|e| format!("port {port:?}: {e}"))?;
+    if host.is_empty() {
+        return Err("empty host".into());
+    }
+    Ok((
+        host.trim_matches(|c| c == '[' || c == ']').to_string(),
+        port,
+    ))
+}
+
 fn parse_tp(s: &str) -> Result<(u32, u32), String> {
     let (p, d) = s
         .split_once(':')
@@ -182,6 +237,62 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .try_init();
     match cli.command {
+        Command::Serve {
+            role,
+            host,
+            port,
+            duration,
+            model,
+            tp,
+            order,
+            block_size,
+            num_blocks,
+            transport,
+        } => {
+            if role != "prefill" {
+                eprintln!(
+                    "error: only `--role prefill` serves; run the decode side with `kvxfer bench --connect HOST:PORT`"
+                );
+                return ExitCode::from(2);
+            }
+            let config = BenchConfig {
+                model,
+                order: block_order(order),
+                prefill_tp: tp.0,
+                decode_tp: tp.1,
+                prefill_pp: 1,
+                block_size,
+                num_blocks,
+                requests: 1,
+                tokens_per_request: block_size,
+                concurrency: 1,
+                warmup: 0,
+                fragmented: true,
+                transport,
+                memory: Memory::Host,
+                mode: Mode::Pull,
+                seed: 1,
+                connect: None,
+            };
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let flag = std::sync::Arc::clone(&stop);
+            let _ =
+                ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+            if let Some(secs) = duration {
+                let flag = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_secs(secs));
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                });
+            }
+            match kvxfer::bench::serve(&config, &host, port, &stop) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Bench {
             model,
             tp,
@@ -201,6 +312,7 @@ fn main() -> ExitCode {
             json,
             sweep,
             chart,
+            connect,
         } => {
             let config = BenchConfig {
                 model,
@@ -225,6 +337,7 @@ fn main() -> ExitCode {
                     ModeArg::Push => Mode::Push,
                 },
                 seed,
+                connect,
             };
             match sweep {
                 None => bench(&config, json),

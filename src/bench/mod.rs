@@ -73,6 +73,8 @@ pub struct BenchConfig {
     pub mode: Mode,
     /// Seed of the block choice.
     pub seed: u64,
+    /// Decode only: pull from a prefill served by `kvxfer serve` at this side channel.
+    pub connect: Option<(String, u16)>,
 }
 
 /// Why a bench could not run or failed.
@@ -180,15 +182,16 @@ fn side(
     tp: u32,
     num_blocks: u32,
     name: &str,
+    (fixed_port, host): (Option<u16>, &str),
 ) -> Result<EngineSide, BenchError> {
     let prefill = which == Side::Prefill;
     let clock = Arc::new(SystemClock::default());
     let mut seed = c.seed ^ 0x5bd1_e995;
     for _attempt in 0..50 {
-        let base = if prefill {
-            20_000 + (xorshift(&mut seed) % 30_000) as u16
-        } else {
-            0
+        let base = match (prefill, fixed_port) {
+            (true, Some(p)) => p,
+            (true, None) => 20_000 + (xorshift(&mut seed) % 30_000) as u16,
+            (false, _) => 0,
         };
         let mut ranks = Vec::new();
         for r in 0..tp {
@@ -211,11 +214,17 @@ fn side(
         for r in 0..tp {
             let mut cfg = PullConfig::new(name, r, tp);
             cfg.side_channel_port = base;
+            cfg.side_channel_host = host.to_string();
             let kv = ranks[r as usize].kv(&c.model);
             let transport = open(c.transport, &format!("{name}-{r}"))?;
             match PullWorker::new(transport, cfg, kv, clock.clone()) {
                 Ok(w) => workers.push(w),
-                Err(kvxfer_core::pull::PullError::SideChannel(_)) if prefill => {
+                Err(kvxfer_core::pull::PullError::SideChannel(e)) if prefill => {
+                    if fixed_port.is_some() {
+                        return Err(BenchError::Config(format!(
+                            "cannot listen on port {base}: {e}"
+                        )));
+                    }
                     retry = true;
                     break;
                 }
@@ -244,6 +253,14 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             "requests, concurrency, tokens per request and block size must be positive".into(),
         ));
     }
+    if c.connect.is_some() {
+        in_process_only(c)?;
+        if c.mode == Mode::Push {
+            return Err(BenchError::Config(
+                "--connect runs the pull mode; push across processes is not available yet".into(),
+            ));
+        }
+    }
     if c.mode == Mode::Push {
         return push::run(c, progress);
     }
@@ -255,14 +272,19 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     let per_request = c.tokens_per_request.div_ceil(c.block_size);
     let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
-    let mut pre = side(
-        c,
-        &mapping,
-        Side::Prefill,
-        c.prefill_tp,
-        num_blocks,
-        "bench-prefill",
-    )?;
+    // The prefill runs here, or in another process (`kvxfer serve`) reached through `connect`.
+    let mut pre = match &c.connect {
+        None => Some(side(
+            c,
+            &mapping,
+            Side::Prefill,
+            c.prefill_tp,
+            num_blocks,
+            "bench-prefill",
+            (None, "127.0.0.1"),
+        )?),
+        Some(_) => None,
+    };
     let mut dec = side(
         c,
         &mapping,
@@ -270,10 +292,17 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         c.decode_tp,
         num_blocks,
         "bench-decode",
+        (None, "127.0.0.1"),
     )?;
-    let port = pre.workers[0].listener_port().unwrap_or(0);
-    // The listeners bound base + rank; rank 0's port is the base.
-    let mut psched = PullScheduler::new("bench-prefill", "127.0.0.1", port);
+    let (host, port) = match (&c.connect, &pre) {
+        (Some((h, p)), _) => (h.clone(), *p),
+        (None, Some(p)) => (
+            "127.0.0.1".to_string(),
+            p.workers[0].listener_port().unwrap_or(0),
+        ),
+        (None, None) => unreachable!("a local prefill exists without --connect"),
+    };
+    let mut psched = PullScheduler::new("bench-prefill", &host, port);
     let mut dsched = PullScheduler::new("bench-decode", "127.0.0.1", 0);
     let mut state = c.seed | 1;
     let total = c.warmup + c.requests;
@@ -305,13 +334,17 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             let mut params = decision
                 .params
                 .ok_or_else(|| BenchError::Config("prefill did not hold the request".into()))?;
+            if c.connect.is_some() {
+                // A served prefill holds nothing for us: name it and read its blocks directly.
+                params.remote_engine_id = Some("served-prefill".into());
+            }
             dsched
                 .after_alloc(&id, &mut params, &local, c.tokens_per_request as usize)
                 .map_err(|e| BenchError::Config(e.to_string()))?;
             jobs.push((id, remote, local));
         }
         let hold = psched.build_step_meta();
-        for w in &mut pre.workers {
+        for w in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
             w.start_load_kv(&hold);
         }
         let meta = dsched.build_step_meta();
@@ -339,7 +372,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
                     }
                 }
             }
-            for w in &mut pre.workers {
+            for w in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
                 w.get_finished();
             }
             if start.elapsed() > Duration::from_secs(300) {
@@ -387,7 +420,8 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         progress(next, total);
     }
     let piece = dec.ranks[0].spec.block_len() as usize;
-    let memcpy = memcpy_baseline(&pre.ranks[0].mem, moved, piece);
+    let source = pre.as_ref().map_or(&dec.ranks[0].mem, |p| &p.ranks[0].mem);
+    let memcpy = memcpy_baseline(source, moved, piece);
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
@@ -452,4 +486,55 @@ pub(crate) fn finish(
 
 pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// `kvxfer serve --role prefill`: fills a prefill engine's caches, listens on `port` (rank r
+/// on `port + r`) and answers reads until `stop` is set. Decode processes run
+/// `kvxfer bench --connect HOST:PORT` with the same model, TP, block size and blocks.
+pub fn serve(
+    c: &BenchConfig,
+    host: &str,
+    port: u16,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<(), BenchError> {
+    crate::transports::availability(c.transport)?;
+    in_process_only(c)?;
+    let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
+    let num_blocks = c
+        .num_blocks
+        .max(per_request.saturating_mul(c.concurrency.max(1)));
+    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
+    let mut pre = side(
+        c,
+        &mapping,
+        Side::Prefill,
+        c.prefill_tp,
+        num_blocks,
+        "served-prefill",
+        (Some(port), host),
+    )?;
+    println!(
+        "serving {} prefill (TP {}) on {host}:{port} over {}; Ctrl-C to stop",
+        c.model.name, c.prefill_tp, c.transport
+    );
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        for w in &mut pre.workers {
+            w.get_finished();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for w in &mut pre.workers {
+        w.shutdown();
+    }
+    Ok(())
+}
+
+/// The loopback's agents live in one process: refuse it for runs that span processes.
+fn in_process_only(c: &BenchConfig) -> Result<(), BenchError> {
+    if c.transport == TransportKind::Loopback {
+        return Err(BenchError::Config(
+            "the loopback transport cannot cross processes; use --transport nixl".into(),
+        ));
+    }
+    Ok(())
 }
