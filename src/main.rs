@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvxfer::bench::{BenchConfig, Memory, Mode};
 use kvxfer::inspect::{InspectConfig, report};
 use kvxfer::models::ModelShape;
@@ -47,26 +47,33 @@ enum ModeArg {
     Push,
 }
 
+/// The cache shape every subcommand takes.
+#[derive(Args)]
+struct Shape {
+    /// Model preset: llama-3-8b, llama-3-70b or deepseek-v3.
+    #[arg(long, default_value = "llama-3-8b")]
+    model: ModelShape,
+    /// Tensor parallelism as PREFILL:DECODE, e.g. 2:4.
+    #[arg(long, default_value = "1:1", value_parser = parse_tp)]
+    tp: (u32, u32),
+    /// In-block order of the caches.
+    #[arg(long, value_enum, default_value = "hnd")]
+    order: Order,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run a prefill and a decode engine in one process, move a batch of requests, verify
     /// every byte, and print throughput, latency and the ratio to memcpy of the same bytes.
     Bench {
-        /// Model preset: llama-3-8b, llama-3-70b or deepseek-v3.
-        #[arg(long, default_value = "llama-3-8b")]
-        model: ModelShape,
-        /// Tensor parallelism as PREFILL:DECODE, e.g. 2:4.
-        #[arg(long, default_value = "1:1", value_parser = parse_tp)]
-        tp: (u32, u32),
+        #[command(flatten)]
+        shape: Shape,
         /// Pipeline stages on the prefill side (push mode), layers split as evenly as possible.
         #[arg(long, default_value_t = 1)]
         pp: u32,
-        /// In-block order of the caches.
-        #[arg(long, value_enum, default_value = "hnd")]
-        order: Order,
-        /// Tokens per block.
-        #[arg(long, default_value_t = 16)]
-        block_size: u32,
         /// Blocks per region (raised to fit the requests in flight).
         #[arg(long, default_value_t = 256)]
         num_blocks: u32,
@@ -115,6 +122,8 @@ enum Command {
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and answers reads until Ctrl-C (or `--duration`).
     Serve {
+        #[command(flatten)]
+        shape: Shape,
         /// Role of this process (only `prefill` serves).
         #[arg(long, default_value = "prefill")]
         role: String,
@@ -128,18 +137,6 @@ enum Command {
         /// Stop after this many seconds (default: until Ctrl-C).
         #[arg(long)]
         duration: Option<u64>,
-        /// Model preset.
-        #[arg(long, default_value = "llama-3-8b")]
-        model: ModelShape,
-        /// Tensor parallelism as PREFILL:DECODE.
-        #[arg(long, default_value = "1:1", value_parser = parse_tp)]
-        tp: (u32, u32),
-        /// In-block order.
-        #[arg(long, value_enum, default_value = "hnd")]
-        order: Order,
-        /// Tokens per block.
-        #[arg(long, default_value_t = 16)]
-        block_size: u32,
         /// Blocks per region.
         #[arg(long, default_value_t = 256)]
         num_blocks: u32,
@@ -149,21 +146,11 @@ enum Command {
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     Inspect {
-        /// Model preset: llama-3-8b, llama-3-70b or deepseek-v3.
-        #[arg(long, default_value = "llama-3-8b")]
-        model: ModelShape,
-        /// Tensor parallelism as PREFILL:DECODE, e.g. 2:4.
-        #[arg(long, default_value = "1:1", value_parser = parse_tp)]
-        tp: (u32, u32),
+        #[command(flatten)]
+        shape: Shape,
         /// Pipeline stages on the prefill side.
         #[arg(long, default_value_t = 1)]
         pp: u32,
-        /// In-block order.
-        #[arg(long, value_enum, default_value = "hnd")]
-        order: Order,
-        /// Tokens per block.
-        #[arg(long, default_value_t = 16)]
-        block_size: u32,
         /// Blocks per region.
         #[arg(long, default_value_t = 4096)]
         num_blocks: u32,
@@ -238,14 +225,17 @@ fn main() -> ExitCode {
         .try_init();
     match cli.command {
         Command::Serve {
+            shape:
+                Shape {
+                    model,
+                    tp,
+                    order,
+                    block_size,
+                },
             role,
             host,
             port,
             duration,
-            model,
-            tp,
-            order,
-            block_size,
             num_blocks,
             transport,
         } => {
@@ -294,11 +284,14 @@ fn main() -> ExitCode {
             }
         }
         Command::Bench {
-            model,
-            tp,
+            shape:
+                Shape {
+                    model,
+                    tp,
+                    order,
+                    block_size,
+                },
             pp,
-            order,
-            block_size,
             num_blocks,
             requests,
             tokens,
@@ -345,11 +338,14 @@ fn main() -> ExitCode {
             }
         }
         Command::Inspect {
-            model,
-            tp,
+            shape:
+                Shape {
+                    model,
+                    tp,
+                    order,
+                    block_size,
+                },
             pp,
-            order,
-            block_size,
             num_blocks,
             request_blocks,
         } => {

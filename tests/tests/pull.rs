@@ -16,6 +16,16 @@ fn lb(name: &str) -> LoopbackTransport {
 
 fn no_tune(_: &mut PullConfig) {}
 
+/// Polls decode rank 0 until a load fails; returns the failures of that step.
+fn first_failure(dec: &mut Engine<LoopbackTransport>) -> Vec<FailedLoad> {
+    let mut failed = Vec::new();
+    poll_until(&mut [dec], |_, f| {
+        failed.extend(f[0].failed.clone());
+        !failed.is_empty()
+    });
+    failed
+}
+
 fn clock() -> Arc<dyn Clock> {
     Arc::new(SystemClock::default())
 }
@@ -202,11 +212,7 @@ fn layout_mismatch_is_refused_naming_fields() {
     let mut dec = engine("mismatch-D", &model, 1, false, c, &lb, &no_tune);
     let params = pre.finish_prefill("r", &[1, 2]);
     dec.start_load("r", &params, &[3, 4], 8);
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut dec], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut dec);
     let reason = &failed[0].reason;
     assert!(
         reason.contains("dtype") && reason.contains("head dim"),
@@ -274,11 +280,7 @@ fn transfer_failure_is_reported_not_done() {
     dec.workers[0].transport().faults().fail_next_transfers(1);
     let params = pre.finish_prefill("r", &[1]);
     dec.start_load("r", &params, &[2], 4);
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut dec], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut dec);
     assert_eq!(failed[0].invalid_blocks, vec![2]);
     assert_eq!(dec.workers[0].take_metrics().failed_transfers, 1);
 }
@@ -365,11 +367,7 @@ fn loads_never_block_on_a_slow_handshake() {
     assert!(f[0].recving.is_empty());
     gate_tx.send(()).unwrap();
     server.join().unwrap();
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut dec], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut dec);
     assert!(failed[0].reason.contains("handshake"));
 }
 
@@ -449,11 +447,7 @@ fn compat_enforcement_can_be_disabled() {
     let mut strict = engine("compat-D1", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
     let params = pre.finish_prefill("a", &[1]);
     strict.start_load("a", &params, &[2], 4);
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut strict], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut strict);
     assert!(
         failed[0].reason.contains("attention backend"),
         "{}",
@@ -486,11 +480,7 @@ fn setup_failure_returns_invalid_blocks() {
     let mut dec = engine("setup-D", &model, 1, false, c, &lb, &no_tune);
     let params = pre.finish_prefill("r", &[1, 2]);
     dec.start_load("r", &params, &[3, 999], 8);
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut dec], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut dec);
     assert_eq!(failed[0].invalid_blocks, vec![3, 999]);
     assert_eq!(dec.workers[0].take_metrics().failed_setups, 1);
     dec.caches[0].verify(&[]).expect("nothing written");
@@ -513,11 +503,7 @@ fn prefill_vanishing_mid_transfer_fails_the_load() {
     }
     pre.workers[0].transport().faults().vanish();
     faults.release_held();
-    let mut failed = Vec::new();
-    poll_until(&mut [&mut dec], |_, f| {
-        failed.extend(f[0].failed.clone());
-        !failed.is_empty()
-    });
+    let failed = first_failure(&mut dec);
     assert_eq!(failed[0].invalid_blocks, vec![2]);
 }
 

@@ -17,7 +17,7 @@ mod xfer;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
-use kvxfer_core::transport::checks::{check_pairs, gather};
+use kvxfer_core::transport::checks::{self, check_pairs};
 use kvxfer_core::transport::{Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -54,13 +54,10 @@ impl Default for LoopbackConfig {
     }
 }
 
-/// A prepared list: ranges plus the distinct regions they lie in.
+/// A prepared list plus the distinct regions its ranges lie in (pinned when posted).
 #[derive(Debug)]
 struct PreparedList {
-    kind: MemoryKind,
-    ranges: Vec<AddrRange>,
-    /// `None` for a local list, the peer for a remote one.
-    peer: Option<PeerId>,
+    list: checks::PreparedList,
     regions: Vec<AddrRange>,
 }
 
@@ -471,7 +468,7 @@ impl Transport for LoopbackTransport {
         self.peers
             .remove(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
-        self.lists.retain(|_, l| l.peer != Some(peer));
+        self.lists.retain(|_, l| l.list.peer != Some(peer));
         Ok(())
     }
 
@@ -487,9 +484,11 @@ impl Transport for LoopbackTransport {
         self.lists.insert(
             id,
             PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: None,
+                list: checks::PreparedList {
+                    kind,
+                    ranges: ranges.to_vec(),
+                    peer: None,
+                },
                 regions,
             },
         );
@@ -509,9 +508,11 @@ impl Transport for LoopbackTransport {
         self.lists.insert(
             id,
             PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: Some(peer),
+                list: checks::PreparedList {
+                    kind,
+                    ranges: ranges.to_vec(),
+                    peer: Some(peer),
+                },
                 regions,
             },
         );
@@ -534,36 +535,30 @@ impl Transport for LoopbackTransport {
         remote_idx: &[u32],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        if local_idx.len() != remote_idx.len() {
-            return Err(TransportError::Mismatch(format!(
-                "{} local indices, {} remote indices",
-                local_idx.len(),
-                remote_idx.len()
-            )));
-        }
         self.check_count("descriptors in transfer", local_idx.len())?;
-        let l = self
-            .lists
-            .get(&local)
-            .ok_or(TransportError::UnknownList(local))?;
-        let r = self
-            .lists
-            .get(&remote)
-            .ok_or(TransportError::UnknownList(remote))?;
-        if l.peer.is_some() {
-            return Err(TransportError::WrongList(local, "local"));
-        }
-        let Some(peer) = r.peer else {
-            return Err(TransportError::WrongList(remote, "remote"));
+        let lists = &self.lists;
+        let x = checks::resolve_indexed(
+            |id| lists.get(&id).map(|l| &l.list),
+            (local, local_idx),
+            (remote, remote_idx),
+        )?;
+        // Both lists exist: resolve_indexed found them.
+        let region_of = |id| {
+            lists
+                .get(&id)
+                .map(|l| l.regions.clone())
+                .unwrap_or_default()
         };
-        let (lr, rr) = (
-            gather(&l.ranges, local_idx)?,
-            gather(&r.ranges, remote_idx)?,
-        );
-        check_pairs(&lr, &rr)?;
-        let kinds = (l.kind, r.kind);
-        let (lreg, rreg) = (l.regions.clone(), r.regions.clone());
-        self.submit(op, peer, kinds, &lr, &rr, (&lreg, &rreg), notification)
+        let (lreg, rreg) = (region_of(local), region_of(remote));
+        self.submit(
+            op,
+            x.peer,
+            x.kinds,
+            &x.local,
+            &x.remote,
+            (&lreg, &rreg),
+            notification,
+        )
     }
 
     fn post(

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvxfer_core::transport::checks::{check_pairs, gather};
+use kvxfer_core::transport::checks::{PreparedList, check_pairs, resolve_indexed};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -138,12 +138,6 @@ struct Peer {
     advertised: Vec<(MemoryKind, AddrRange)>,
 }
 
-struct List {
-    kind: MemoryKind,
-    ranges: Vec<AddrRange>,
-    peer: Option<PeerId>,
-}
-
 struct Xfer {
     req: Option<XferRequest>,
     failed: Option<String>,
@@ -157,7 +151,7 @@ pub struct NixlTransport {
     config: NixlConfig,
     regions: Arc<Regions>,
     peers: HashMap<PeerId, Peer>,
-    lists: HashMap<DescListId, List>,
+    lists: HashMap<DescListId, PreparedList>,
     xfers: HashMap<XferId, Xfer>,
     next_id: u64,
 }
@@ -541,7 +535,7 @@ impl Transport for NixlTransport {
         let id = DescListId(self.next());
         self.lists.insert(
             id,
-            List {
+            PreparedList {
                 kind,
                 ranges: ranges.to_vec(),
                 peer: None,
@@ -561,7 +555,7 @@ impl Transport for NixlTransport {
         let id = DescListId(self.next());
         self.lists.insert(
             id,
-            List {
+            PreparedList {
                 kind,
                 ranges: ranges.to_vec(),
                 peer: Some(peer),
@@ -586,33 +580,13 @@ impl Transport for NixlTransport {
         remote_idx: &[u32],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        if local_idx.len() != remote_idx.len() {
-            return Err(TransportError::Mismatch(format!(
-                "{} local indices, {} remote indices",
-                local_idx.len(),
-                remote_idx.len()
-            )));
-        }
-        let l = self
-            .lists
-            .get(&local)
-            .ok_or(TransportError::UnknownList(local))?;
-        let r = self
-            .lists
-            .get(&remote)
-            .ok_or(TransportError::UnknownList(remote))?;
-        if l.peer.is_some() {
-            return Err(TransportError::WrongList(local, "local"));
-        }
-        let Some(peer) = r.peer else {
-            return Err(TransportError::WrongList(remote, "remote"));
-        };
-        let (lr, rr) = (
-            gather(&l.ranges, local_idx)?,
-            gather(&r.ranges, remote_idx)?,
-        );
-        let kinds = (l.kind, r.kind);
-        self.post(op, peer, kinds, &lr, &rr, notification)
+        let lists = &self.lists;
+        let x = resolve_indexed(
+            |id| lists.get(&id),
+            (local, local_idx),
+            (remote, remote_idx),
+        )?;
+        self.post(op, x.peer, x.kinds, &x.local, &x.remote, notification)
     }
 
     fn post(

@@ -1,6 +1,65 @@
 //! Checks every transport applies the same way before building a transfer.
 
-use super::{AddrRange, TransportError, TransportResult};
+use super::{AddrRange, DescListId, MemoryKind, PeerId, TransportError, TransportResult};
+
+/// A prepared descriptor list as transports keep it: local (`peer == None`) or a peer's.
+#[derive(Debug, Clone)]
+pub struct PreparedList {
+    /// Memory kind of every range.
+    pub kind: MemoryKind,
+    /// The ranges, indexed by posts.
+    pub ranges: Vec<AddrRange>,
+    /// The peer of a remote list.
+    pub peer: Option<PeerId>,
+}
+
+/// An indexed post resolved to ranges.
+#[derive(Debug, Clone)]
+pub struct Indexed {
+    /// The peer of the remote list.
+    pub peer: PeerId,
+    /// Memory kinds of the local and remote lists.
+    pub kinds: (MemoryKind, MemoryKind),
+    /// Local ranges, in post order.
+    pub local: Vec<AddrRange>,
+    /// Remote ranges, in post order.
+    pub remote: Vec<AddrRange>,
+}
+
+/// Resolves `post_indexed`'s lists and indices: equal index counts, known lists of the right
+/// side, indices in range, equal lengths pairwise.
+pub fn resolve_indexed<'a>(
+    lookup: impl Fn(DescListId) -> Option<&'a PreparedList>,
+    (local, local_idx): (DescListId, &[u32]),
+    (remote, remote_idx): (DescListId, &[u32]),
+) -> TransportResult<Indexed> {
+    if local_idx.len() != remote_idx.len() {
+        return Err(TransportError::Mismatch(format!(
+            "{} local indices, {} remote indices",
+            local_idx.len(),
+            remote_idx.len()
+        )));
+    }
+    let l = lookup(local).ok_or(TransportError::UnknownList(local))?;
+    let r = lookup(remote).ok_or(TransportError::UnknownList(remote))?;
+    if l.peer.is_some() {
+        return Err(TransportError::WrongList(local, "local"));
+    }
+    let Some(peer) = r.peer else {
+        return Err(TransportError::WrongList(remote, "remote"));
+    };
+    let (local_ranges, remote_ranges) = (
+        gather(&l.ranges, local_idx)?,
+        gather(&r.ranges, remote_idx)?,
+    );
+    check_pairs(&local_ranges, &remote_ranges)?;
+    Ok(Indexed {
+        peer,
+        kinds: (l.kind, r.kind),
+        local: local_ranges,
+        remote: remote_ranges,
+    })
+}
 
 /// The ranges of a prepared list at `idx`, or `IndexOutOfRange`.
 pub fn gather(ranges: &[AddrRange], idx: &[u32]) -> TransportResult<Vec<AddrRange>> {
