@@ -70,6 +70,9 @@ pub enum AnyTransport {
     /// The loopback.
     #[cfg(feature = "loopback")]
     Loopback(kvxfer_transport_loopback::LoopbackTransport),
+    /// Raw UCX.
+    #[cfg(feature = "ucx")]
+    Ucx(kvxfer_transport_ucx::UcxTransport),
     /// NIXL.
     #[cfg(feature = "nixl")]
     Nixl(kvxfer_transport_nixl::NixlTransport),
@@ -87,7 +90,6 @@ pub fn availability(kind: TransportKind) -> TransportResult<()> {
         });
     }
     match kind {
-        TransportKind::Loopback => Ok(()),
         #[cfg(feature = "nixl")]
         TransportKind::Nixl => kvxfer_transport_nixl::runtime_available().map_err(|reason| {
             TransportError::NotAvailable {
@@ -95,10 +97,15 @@ pub fn availability(kind: TransportKind) -> TransportResult<()> {
                 reason,
             }
         }),
-        other => Err(TransportError::NotAvailable {
-            what: format!("the {other} transport"),
-            reason: "compiled in, but not implemented yet".into(),
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => kvxfer_transport_ucx::runtime_available().map_err(|reason| {
+            TransportError::NotAvailable {
+                what: "the UCX library".into(),
+                reason,
+            }
         }),
+        // The loopback needs nothing.
+        _ => Ok(()),
     }
 }
 
@@ -110,13 +117,17 @@ pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
         TransportKind::Loopback => {
             kvxfer_transport_loopback::LoopbackTransport::new(agent).map(AnyTransport::Loopback)
         }
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => kvxfer_transport_ucx::UcxTransport::new(agent).map(AnyTransport::Ucx),
         #[cfg(feature = "nixl")]
         TransportKind::Nixl => {
             kvxfer_transport_nixl::NixlTransport::new(agent).map(AnyTransport::Nixl)
         }
+        // Only kinds not compiled in get here, and `availability` refused those already.
+        #[allow(unreachable_patterns)]
         other => Err(TransportError::NotAvailable {
             what: format!("the {other} transport"),
-            reason: "compiled in, but not implemented yet".into(),
+            reason: "not compiled in".into(),
         }),
     }
 }
@@ -126,6 +137,8 @@ macro_rules! dispatch {
         match $self {
             #[cfg(feature = "loopback")]
             AnyTransport::Loopback($t) => $call,
+            #[cfg(feature = "ucx")]
+            AnyTransport::Ucx($t) => $call,
             #[cfg(feature = "nixl")]
             AnyTransport::Nixl($t) => $call,
         }

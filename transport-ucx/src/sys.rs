@@ -1,0 +1,88 @@
+//! Generated UCP bindings (bindgen against the system headers, only the calls we make) and
+//! the C macros UCX uses for status pointers.
+//!
+//! The library is opened at run time (`dlopen`, local scope) rather than linked: a process
+//! that also loads NIXL's own bundled UCX would otherwise have two UCX copies resolving each
+//! other's global symbols, which aborts in UCX's initialisation. A missing library is then a
+//! typed error, not a failure to start.
+#![allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code,
+    missing_docs,
+    unsafe_op_in_unsafe_fn,
+    unused_imports,
+    clippy::all
+)]
+
+use std::ffi::{CStr, c_void};
+use std::sync::OnceLock;
+
+include!(concat!(env!("OUT_DIR"), "/ucp_bindings.rs"));
+
+/// The UCP library opened at run time.
+pub const LIBRARY: &str = "libucp.so.0";
+
+static API: OnceLock<Result<UcpLibrary, String>> = OnceLock::new();
+
+/// Opens the UCP library once; later calls return the same result.
+pub fn load() -> Result<&'static UcpLibrary, String> {
+    API.get_or_init(|| {
+        // SAFETY: loading UCX runs its initialisers, as linking it would; every symbol we
+        // bind is resolved now (`dynamic_link_require_all`), so a wrong library fails here.
+        unsafe { UcpLibrary::new(LIBRARY) }.map_err(|e| {
+            format!(
+                "{LIBRARY} cannot be loaded ({e}); install UCX >= 1.13 \
+                 (`apt-get install libucx0`)"
+            )
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// The library; only called after [`load`] succeeded (every agent loads it first).
+pub fn api() -> &'static UcpLibrary {
+    match API.get() {
+        Some(Ok(lib)) => lib,
+        _ => unreachable!("UCX used before sys::load() succeeded"),
+    }
+}
+
+/// `UCS_ERR_LAST`: status pointers at or above this address are errors.
+const UCS_ERR_LAST: isize = -100;
+
+/// What a `ucs_status_ptr_t` returned by an `_nbx` call means.
+pub enum StatusPtr {
+    /// Completed immediately.
+    Done,
+    /// Failed immediately.
+    Failed(ucs_status_t),
+    /// In flight: the request handle.
+    Pending(*mut c_void),
+}
+
+/// `UCS_PTR_IS_ERR` / `UCS_PTR_STATUS` / `UCS_PTR_IS_PTR`.
+pub fn classify(ptr: ucs_status_ptr_t) -> StatusPtr {
+    if ptr.is_null() {
+        StatusPtr::Done
+    } else if ptr as usize >= UCS_ERR_LAST as usize {
+        StatusPtr::Failed(ucs_status_t(ptr as isize as i8))
+    } else {
+        StatusPtr::Pending(ptr)
+    }
+}
+
+/// UCX's text for a status.
+pub fn status_text(status: ucs_status_t) -> String {
+    // SAFETY: ucs_status_string returns a static C string for any value.
+    unsafe {
+        let p = api().ucs_status_string(status);
+        if p.is_null() {
+            format!("UCX status {}", status.0)
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}

@@ -1,0 +1,687 @@
+//! The UCX transport: the contract over UCP RMA (`ucp_get_nbx` / `ucp_put_nbx`, one request
+//! per descriptor), endpoint flush before a WRITE is reported done, and notifications as
+//! eager active messages sent only after the data is complete.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvxfer_core::transport::checks::{PreparedList, check_pairs, resolve_indexed};
+use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
+use kvxfer_core::{
+    AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
+    TransportError, TransportResult, XferId, XferStatus,
+};
+
+use crate::UcxConfig;
+use crate::metadata::{AgentMeta, RegionMeta};
+use crate::state::{AM_ID, Health, LocalRegion, Peer, Phase, State, Xfer, encode_notification};
+use crate::sys;
+use crate::worker::{Ucp, check};
+
+/// The state and the progress thread's stop flag, shared with registration guards.
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Deregister for Shared {
+    fn deregister(&self, id: RegistrationId) {
+        let mut st = self.lock();
+        if !st.quiesce_region(id.0) {
+            // Cancel what still touches the region before its memory may be freed.
+            let stuck: Vec<XferId> = st
+                .xfers
+                .iter()
+                .filter(|(_, x)| x.pending > 0 && x.regions.contains(&id.0))
+                .map(|(id, _)| *id)
+                .collect();
+            for x in stuck {
+                st.settle(x, Duration::ZERO);
+            }
+        }
+        st.unmap(id.0);
+    }
+}
+
+/// One UCX agent: a UCP context and worker.
+pub struct UcxTransport {
+    shared: Arc<Shared>,
+    name: String,
+    progress: Option<JoinHandle<()>>,
+}
+
+impl UcxTransport {
+    /// A new agent with settings from the environment (see [`UcxConfig::default`]).
+    pub fn new(name: &str) -> TransportResult<Self> {
+        Self::with_config(name, UcxConfig::default())
+    }
+
+    /// A new agent with explicit settings. UCX itself reads `UCX_*` variables (`UCX_TLS`,
+    /// `UCX_NET_DEVICES`, …) as usual.
+    pub fn with_config(name: &str, config: UcxConfig) -> TransportResult<Self> {
+        if name.is_empty() || name.len() > crate::metadata::MAX_NAME {
+            return Err(TransportError::Backend(format!(
+                "agent name must be 1..={} bytes",
+                crate::metadata::MAX_NAME
+            )));
+        }
+        let mut overrides = vec![(
+            "KEEPALIVE_INTERVAL",
+            format!("{}ms", config.keepalive_interval.as_millis().max(1)),
+            false,
+        )];
+        if let Some(tls) = &config.tls {
+            overrides.push(("TLS", tls.clone(), true));
+        }
+        let ucp = Ucp::new(name, &overrides, config.progress_thread)?;
+        let thread = config.progress_thread;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::new(ucp, name, config)?),
+            stop: AtomicBool::new(false),
+        });
+        let progress = if thread {
+            Some(spawn_progress(Arc::clone(&shared))?)
+        } else {
+            None
+        };
+        Ok(UcxTransport {
+            shared,
+            name: name.to_string(),
+            progress,
+        })
+    }
+
+    /// Notifications refused so far (malformed, too large, or while the inbox was full).
+    pub fn dropped_notifications(&self) -> u64 {
+        self.shared.lock().inbox.dropped
+    }
+
+    /// Whether this agent's endpoints detect dead peers: `Some(false)` once UCX chose
+    /// transports without peer-failure handling (its shared-memory ones, in 1.13); `None`
+    /// before the first peer is loaded.
+    pub fn detects_dead_peers(&self) -> Option<bool> {
+        self.lock().peer_failure_detection()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.shared.lock()
+    }
+}
+
+/// The optional progress thread: sleeps on the worker's event descriptor (no busy loop) and
+/// progresses when UCX has work, so a target serves emulated RMA (TCP) without being polled.
+fn spawn_progress(shared: Arc<Shared>) -> TransportResult<JoinHandle<()>> {
+    let efd = {
+        let st = shared.lock();
+        let mut fd = -1;
+        // SAFETY: the worker was created with the WAKEUP feature.
+        check("worker_get_efd", unsafe {
+            sys::api().ucp_worker_get_efd(st.ucp.worker, &mut fd)
+        })?;
+        fd
+    };
+    std::thread::Builder::new()
+        .name("kvxfer-ucx-progress".into())
+        .spawn(move || {
+            while !shared.stop.load(Ordering::Acquire) {
+                let armed = {
+                    let mut st = shared.lock();
+                    st.progress();
+                    // SAFETY: live worker, under the lock.
+                    unsafe { sys::api().ucp_worker_arm(st.ucp.worker) }
+                };
+                if armed == sys::ucs_status_t::UCS_OK {
+                    let mut pfd = libc::pollfd {
+                        fd: efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd; the timeout bounds how long a stop waits.
+                    unsafe { libc::poll(&mut pfd, 1, 20) };
+                }
+            }
+        })
+        .map_err(|e| TransportError::Backend(format!("progress thread: {e}")))
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.progress.take() {
+            let _ = t.join();
+        }
+        // Endpoints close now; the worker lives on while registration guards exist.
+        self.lock().shut_down();
+    }
+}
+
+fn out_of_bounds(r: &AddrRange, kind: MemoryKind, whose: &'static str) -> TransportError {
+    TransportError::OutOfBounds {
+        addr: r.addr,
+        len: r.len,
+        kind,
+        whose,
+    }
+}
+
+fn check_local(st: &State, kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<Vec<u64>> {
+    let mut ids: Vec<u64> = Vec::new();
+    let mut last: Option<(u64, AddrRange)> = None;
+    for r in ranges {
+        // Descriptors mostly fall in the region of the one before: check it first.
+        let hit = match last {
+            Some((id, range)) if range.contains(r) => Some(id),
+            _ => st
+                .regions
+                .iter()
+                .find(|(_, reg)| reg.kind == kind && reg.range.contains(r))
+                .map(|(&id, reg)| {
+                    last = Some((id, reg.range));
+                    id
+                }),
+        };
+        let id = hit.ok_or_else(|| out_of_bounds(r, kind, "locally"))?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+/// Index into the peer's regions of the one containing `r`.
+fn remote_region(p: &Peer, kind: MemoryKind, r: &AddrRange, hint: usize) -> Option<usize> {
+    let fits = |i: usize| {
+        let (k, range, _) = &p.regions[i];
+        *k == kind && range.contains(r)
+    };
+    if hint < p.regions.len() && fits(hint) {
+        return Some(hint);
+    }
+    (0..p.regions.len()).find(|&i| fits(i))
+}
+
+fn check_remote(
+    st: &State,
+    peer: PeerId,
+    kind: MemoryKind,
+    ranges: &[AddrRange],
+) -> TransportResult<Vec<usize>> {
+    let p = st
+        .peers
+        .get(&peer)
+        .ok_or(TransportError::UnknownPeer(peer))?;
+    let mut hint = 0;
+    ranges
+        .iter()
+        .map(|r| {
+            hint = remote_region(p, kind, r, hint)
+                .ok_or_else(|| out_of_bounds(r, kind, "by the peer"))?;
+            Ok(hint)
+        })
+        .collect()
+}
+
+fn check_count(st: &State, what: &'static str, count: usize) -> TransportResult<()> {
+    if count > st.config.max_descriptors {
+        return Err(TransportError::TooLarge {
+            what,
+            count,
+            limit: st.config.max_descriptors,
+        });
+    }
+    Ok(())
+}
+
+fn check_notification(st: &State, n: &[u8]) -> TransportResult<()> {
+    if n.len() > st.config.max_notification_len {
+        return Err(TransportError::TooLarge {
+            what: "notification bytes",
+            count: n.len(),
+            limit: st.config.max_notification_len,
+        });
+    }
+    Ok(())
+}
+
+fn mem_type(kind: MemoryKind) -> sys::ucs_memory_type_t {
+    match kind {
+        MemoryKind::Host => sys::ucs_memory_type_UCS_MEMORY_TYPE_HOST,
+        MemoryKind::Gpu { .. } => sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA,
+    }
+}
+
+/// Posts one eager active message carrying `x.notification` on `ep`.
+fn send_notification_am(ep: sys::ucp_ep_h, x: &mut Xfer) {
+    let Some(buf) = &x.notification else { return };
+    let (ptr, len) = (buf.as_ptr(), buf.len());
+    let mut param = x.params();
+    param.op_attr_mask |= sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER;
+    // SAFETY: the buffer lives in `x` until the request completes; `x` is boxed.
+    let r = unsafe {
+        sys::api().ucp_am_send_nbx(ep, AM_ID, std::ptr::null(), 0, ptr.cast(), len, &param)
+    };
+    x.account(r);
+}
+
+impl UcxTransport {
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        st: &mut State,
+        op: Op,
+        peer: PeerId,
+        kinds: (MemoryKind, MemoryKind),
+        local: &[AddrRange],
+        remote: &[AddrRange],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        check_pairs(local, remote)?;
+        check_count(st, "descriptors in transfer", local.len())?;
+        if let Some(n) = notification {
+            check_notification(st, n)?;
+        }
+        let regions = check_local(st, kinds.0, local)?;
+        let keys = check_remote(st, peer, kinds.1, remote)?;
+        let id = XferId(st.next());
+        let name = st.name.clone();
+        let p = st
+            .peers
+            .get(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        let mut x = Box::new(Xfer {
+            peer,
+            pending: 0,
+            error: None,
+            phase: Phase::Data,
+            notification: notification.map(|n| encode_notification(&name, n)),
+            regions,
+        });
+        if let Some(e) = &p.health.error {
+            x.error = Some(format!("peer {:?} is unreachable: {e}", p.name));
+        } else {
+            let param = x.params();
+            for ((l, r), &k) in local.iter().zip(remote).zip(&keys) {
+                let rkey = p.regions[k].2;
+                // SAFETY: both ranges were checked against registered memory; the callback
+                // target `x` is boxed and kept until its count is zero.
+                let ptr = unsafe {
+                    match op {
+                        Op::Read => sys::api().ucp_get_nbx(
+                            p.ep,
+                            l.addr as *mut _,
+                            l.len as usize,
+                            r.addr,
+                            rkey,
+                            &param,
+                        ),
+                        Op::Write => sys::api().ucp_put_nbx(
+                            p.ep,
+                            l.addr as *const _,
+                            l.len as usize,
+                            r.addr,
+                            rkey,
+                            &param,
+                        ),
+                    }
+                };
+                x.account(ptr);
+                if x.error.is_some() {
+                    break;
+                }
+            }
+            if op == Op::Write && x.error.is_none() && !local.is_empty() {
+                // A put is complete locally before it is visible remotely; the flush
+                // completes once every earlier put landed.
+                // SAFETY: as above.
+                let ptr = unsafe { sys::api().ucp_ep_flush_nbx(p.ep, &param) };
+                x.account(ptr);
+            }
+        }
+        st.xfers.insert(id, x);
+        Ok(id)
+    }
+}
+
+impl Transport for UcxTransport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let st = self.lock();
+        Capabilities {
+            host_memory: true,
+            gpu_memory: st.ucp.supports_cuda(),
+            read: true,
+            write: true,
+            notifications: true,
+            max_descriptors: st.config.max_descriptors,
+            max_notification_len: st.config.max_notification_len,
+            // Remote keys stay usable on some transports after the owner unmaps.
+            detects_peer_deregistration: false,
+        }
+    }
+
+    fn register(&mut self, kind: MemoryKind, range: AddrRange) -> TransportResult<Registration> {
+        let mut st = self.lock();
+        if let MemoryKind::Gpu { .. } = kind
+            && !st.ucp.supports_cuda()
+        {
+            return Err(TransportError::NotAvailable {
+                what: "GPU memory on the UCX transport".into(),
+                reason: "this UCX library was built without CUDA support".into(),
+            });
+        }
+        let end = range
+            .end()
+            .ok_or_else(|| TransportError::InvalidRegistration("range wraps around".into()))?;
+        if range.len == 0 {
+            return Err(TransportError::InvalidRegistration("empty range".into()));
+        }
+        if st
+            .regions
+            .values()
+            .any(|r| range.addr < r.range.addr + r.range.len && r.range.addr < end)
+        {
+            return Err(TransportError::InvalidRegistration(
+                "overlaps a registered region".into(),
+            ));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
+                as u64,
+            address: range.addr as *mut _,
+            length: range.len as usize,
+            memory_type: mem_type(kind),
+            ..Default::default()
+        };
+        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: registers caller-owned memory that must stay valid until the guard drops
+        // (the contract's rule).
+        check("mem_map", unsafe {
+            sys::api().ucp_mem_map(st.ucp.context, &params, &mut memh)
+        })?;
+        let mut buf: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: packs the key of the handle just created; the buffer is copied and released.
+        let rkey = unsafe {
+            let status = sys::api().ucp_rkey_pack(st.ucp.context, memh, &mut buf, &mut size);
+            if let Err(e) = check("rkey_pack", status) {
+                sys::api().ucp_mem_unmap(st.ucp.context, memh);
+                return Err(e);
+            }
+            let v = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
+            sys::api().ucp_rkey_buffer_release(buf);
+            v
+        };
+        let id = st.next();
+        st.regions.insert(
+            id,
+            LocalRegion {
+                kind,
+                range,
+                memh,
+                rkey,
+            },
+        );
+        let owner: Arc<Shared> = Arc::clone(&self.shared);
+        Ok(Registration::new(RegistrationId(id), kind, range, owner))
+    }
+
+    fn metadata(&self) -> TransportResult<Vec<u8>> {
+        let st = self.lock();
+        let meta = AgentMeta {
+            name: st.name.clone(),
+            worker_address: st.ucp.address()?,
+            regions: st
+                .regions
+                .values()
+                .map(|r| RegionMeta {
+                    kind: r.kind,
+                    range: r.range,
+                    rkey: r.rkey.clone(),
+                })
+                .collect(),
+        };
+        Ok(meta.encode())
+    }
+
+    fn load_peer(&mut self, metadata: &[u8]) -> TransportResult<PeerId> {
+        let meta = AgentMeta::decode(metadata).map_err(TransportError::InvalidMetadata)?;
+        let mut st = self.lock();
+        if let Some(old) = st
+            .peers
+            .iter()
+            .find(|(_, p)| p.name == meta.name)
+            .map(|(id, _)| *id)
+        {
+            // Same name: a restart or a refresh. The old endpoint, keys and lists go.
+            st.lists.retain(|_, l| l.peer != Some(old));
+            if let Some(p) = st.peers.remove(&old) {
+                st.close_peer(p);
+            }
+        }
+        let mut health = Box::<Health>::default();
+        let ep = st.connect(&meta.worker_address, &mut health).map_err(|e| {
+            TransportError::InvalidMetadata(format!("UCX refused the worker address: {e}"))
+        })?;
+        let mut peer = Peer {
+            name: meta.name,
+            ep,
+            regions: Vec::with_capacity(meta.regions.len()),
+            health,
+        };
+        for r in &meta.regions {
+            let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
+            // SAFETY: the packed key bytes outlive the call; the key is tied to `ep`.
+            let status =
+                unsafe { sys::api().ucp_ep_rkey_unpack(ep, r.rkey.as_ptr().cast(), &mut rkey) };
+            if status != sys::ucs_status_t::UCS_OK {
+                let text = sys::status_text(status);
+                st.close_peer(peer);
+                return Err(TransportError::InvalidMetadata(format!(
+                    "remote key of region {:#x}+{}: {text}",
+                    r.range.addr, r.range.len
+                )));
+            }
+            peer.regions.push((r.kind, r.range, rkey));
+        }
+        let id = PeerId(st.next());
+        st.peers.insert(id, peer);
+        Ok(id)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> TransportResult<()> {
+        let mut st = self.lock();
+        let p = st
+            .peers
+            .remove(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        st.lists.retain(|_, l| l.peer != Some(peer));
+        st.close_peer(p);
+        Ok(())
+    }
+
+    fn prepare_local(
+        &mut self,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        let mut st = self.lock();
+        check_count(&st, "descriptors in list", ranges.len())?;
+        check_local(&st, kind, ranges)?;
+        let id = DescListId(st.next());
+        st.lists.insert(
+            id,
+            PreparedList {
+                kind,
+                ranges: ranges.to_vec(),
+                peer: None,
+            },
+        );
+        Ok(id)
+    }
+
+    fn prepare_remote(
+        &mut self,
+        peer: PeerId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        let mut st = self.lock();
+        check_count(&st, "descriptors in list", ranges.len())?;
+        check_remote(&st, peer, kind, ranges)?;
+        let id = DescListId(st.next());
+        st.lists.insert(
+            id,
+            PreparedList {
+                kind,
+                ranges: ranges.to_vec(),
+                peer: Some(peer),
+            },
+        );
+        Ok(id)
+    }
+
+    fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
+        self.lock()
+            .lists
+            .remove(&list)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownList(list))
+    }
+
+    fn post_indexed(
+        &mut self,
+        op: Op,
+        local: DescListId,
+        local_idx: &[u32],
+        remote: DescListId,
+        remote_idx: &[u32],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        let mut st = self.lock();
+        let lists = &st.lists;
+        let x = resolve_indexed(
+            |id| lists.get(&id),
+            (local, local_idx),
+            (remote, remote_idx),
+        )?;
+        Self::submit(
+            &mut st,
+            op,
+            x.peer,
+            x.kinds,
+            &x.local,
+            &x.remote,
+            notification,
+        )
+    }
+
+    fn post(
+        &mut self,
+        op: Op,
+        peer: PeerId,
+        kinds: (MemoryKind, MemoryKind),
+        local: &[AddrRange],
+        remote: &[AddrRange],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        let mut st = self.lock();
+        Self::submit(&mut st, op, peer, kinds, local, remote, notification)
+    }
+
+    fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
+        let mut st = self.lock();
+        if !st.xfers.contains_key(&xfer) {
+            return Err(TransportError::UnknownTransfer(xfer));
+        }
+        st.progress();
+        let st = &mut *st;
+        let x = st.xfers.get_mut(&xfer).expect("checked above");
+        loop {
+            if x.pending > 0 {
+                return Ok(XferStatus::InProgress);
+            }
+            match x.phase {
+                Phase::Data if x.error.is_none() && x.notification.is_some() => {
+                    x.phase = Phase::Notify;
+                    match st.peers.get(&x.peer) {
+                        Some(p) => send_notification_am(p.ep, x),
+                        None => x.error = Some("peer removed before the notification".into()),
+                    }
+                }
+                Phase::Data | Phase::Notify => x.phase = Phase::Finished,
+                Phase::Finished => {
+                    return Ok(match &x.error {
+                        Some(e) => XferStatus::Failed(e.clone()),
+                        None => XferStatus::Done,
+                    });
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, xfer: XferId) -> TransportResult<()> {
+        let mut st = self.lock();
+        if !st.xfers.contains_key(&xfer) {
+            return Err(TransportError::UnknownTransfer(xfer));
+        }
+        let limit = st.config.release_wait;
+        if st.settle(xfer, limit) {
+            st.xfers.remove(&xfer);
+        } else if let Some(x) = st.xfers.remove(&xfer) {
+            // Requests UCX never finished still point at it: keep it alive.
+            tracing::error!(%xfer, "UCX requests did not finish; leaking the transfer record");
+            Box::leak(x);
+        }
+        Ok(())
+    }
+
+    fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
+        let mut st = self.lock();
+        check_notification(&st, message)?;
+        let name = st.name.clone();
+        let p = st
+            .peers
+            .get(&peer)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        if let Some(e) = &p.health.error {
+            return Err(TransportError::PeerGone(format!("{}: {e}", p.name)));
+        }
+        let mut x = Box::new(Xfer {
+            peer,
+            pending: 0,
+            error: None,
+            phase: Phase::Notify,
+            notification: Some(encode_notification(&name, message)),
+            regions: Vec::new(),
+        });
+        send_notification_am(p.ep, &mut x);
+        if let Some(e) = x.error.take() {
+            return Err(TransportError::Backend(e));
+        }
+        if x.pending > 0 {
+            st.sends.push(x);
+        }
+        Ok(())
+    }
+
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
+        let mut st = self.lock();
+        st.progress();
+        let n = st.inbox.notes.len();
+        out.append(&mut st.inbox.notes);
+        Ok(n)
+    }
+}
