@@ -9,3 +9,5 @@ pub mod conformance;
 pub mod memory;
 pub mod pull_env;
 pub mod push_env;
+pub mod remote;
+pub mod shared_mem;

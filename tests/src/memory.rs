@@ -3,6 +3,8 @@
 
 use kvxfer_core::{AddrRange, MemoryKind, Registration, Transport, TransportResult};
 
+use crate::shared_mem::SharedMem;
+
 /// Deterministic xorshift64* generator, so failures reproduce from the seed.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -33,32 +35,34 @@ pub fn guard_byte(i: usize) -> u8 {
     (i.wrapping_mul(31).wrapping_add(7) % 251) as u8
 }
 
-/// A registered host buffer. Fields drop in order: the registration before the memory.
+/// A registered host buffer, in memory a helper process can attach ([`crate::shared_mem`]).
+/// Fields drop in order: the registration before the memory.
 pub struct Buffer {
     /// The registration (dropped first).
     pub registration: Option<Registration>,
-    data: Vec<u8>,
+    data: SharedMem,
     addr: u64,
 }
 
 impl Buffer {
     /// A buffer of `len` bytes filled from `seed` (`None` fills with the guard pattern).
     pub fn new(len: usize, seed: Option<u64>) -> Self {
-        let mut data = vec![0u8; len];
+        let mut data = SharedMem::new(len);
         match seed {
             Some(s) => {
                 let mut rng = Rng::new(s);
-                for chunk in data.chunks_mut(8) {
+                for chunk in data.as_mut_slice().chunks_mut(8) {
                     let v = rng.next_u64().to_le_bytes();
                     chunk.copy_from_slice(&v[..chunk.len()]);
                 }
             }
             None => data
+                .as_mut_slice()
                 .iter_mut()
                 .enumerate()
                 .for_each(|(i, b)| *b = guard_byte(i)),
         }
-        let addr = data.as_mut_ptr() as u64;
+        let addr = data.addr();
         Buffer {
             registration: None,
             data,
@@ -79,27 +83,27 @@ impl Buffer {
 
     /// The whole buffer as a range.
     pub fn range(&self) -> AddrRange {
-        AddrRange::new(self.addr, self.data.len() as u64)
+        AddrRange::new(self.addr, self.len() as u64)
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.data.as_slice().len()
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
 
     /// The bytes (read only after the transfers touching them completed).
     pub fn bytes(&self) -> &[u8] {
-        &self.data
+        self.data.as_slice()
     }
 
     /// FNV-1a checksum of a sub-range.
     pub fn checksum(&self, offset: u64, len: u64) -> u64 {
-        let s = &self.data[offset as usize..(offset + len) as usize];
+        let s = &self.bytes()[offset as usize..(offset + len) as usize];
         s.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
             (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
         })

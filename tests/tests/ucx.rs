@@ -1,0 +1,50 @@
+//! The conformance suite on UCX in one process (two agents): over shared memory with no
+//! progress thread (progress only from polling), and over TCP loopback, where UCX emulates
+//! RMA with messages the target must progress, with the progress thread on.
+#![cfg(feature = "ucx")]
+
+use std::time::Duration;
+
+use kvxfer_tests::conformance::TransportFactory;
+use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
+
+/// Agents restricted to `tls`.
+pub struct Ucx {
+    tls: &'static str,
+    progress_thread: bool,
+}
+
+impl TransportFactory for Ucx {
+    type T = UcxTransport;
+
+    fn label(&self) -> String {
+        format!("ucx/{}", self.tls)
+    }
+
+    fn create(&self, name: &str) -> UcxTransport {
+        UcxTransport::with_config(
+            name,
+            UcxConfig {
+                tls: Some(self.tls.into()),
+                progress_thread: self.progress_thread,
+                keepalive_interval: Duration::from_millis(200),
+                ..UcxConfig::default()
+            },
+        )
+        .expect("UCX agent")
+    }
+}
+
+mod shm {
+    kvxfer_tests::conformance_suite!(super::Ucx {
+        tls: "sm,self",
+        progress_thread: true,
+    });
+}
+
+mod tcp {
+    kvxfer_tests::conformance_suite!(super::Ucx {
+        tls: "tcp,self",
+        progress_thread: true,
+    });
+}
