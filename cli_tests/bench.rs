@@ -126,7 +126,6 @@ fn bench_errors_are_clear() {
         assert_eq!(code, 2, "{t}: {err}");
         let known = [
             format!("--features {t}"),
-            "not implemented yet".into(),
             "runtime".into(),
             "must be positive".into(),
         ];
@@ -134,13 +133,12 @@ fn bench_errors_are_clear() {
     }
 }
 
-/// Pull and push end to end over NIXL (host memory, UCX backend), bytes verified, when this
-/// build has the transport and the runtime is installed; otherwise the skip is printed.
-#[test]
-fn bench_over_nixl_pull_and_push() {
-    let (_, _, probe) = kvxfer(&["bench", "--transport", "nixl", "--requests", "0"]);
+/// Pull and push end to end over `transport` (host memory), bytes verified, when this build
+/// has the transport and its runtime; otherwise the skip is printed.
+fn bench_pull_and_push_over(transport: &str) {
+    let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
     if !probe.contains("must be positive") {
-        println!("SKIP [nixl] bench scenarios: {}", probe.trim());
+        println!("SKIP [{transport}] bench scenarios: {}", probe.trim());
         return;
     }
     for (mode, tp, order) in [
@@ -152,7 +150,7 @@ fn bench_over_nixl_pull_and_push() {
         let mut args = SMALL.to_vec();
         args.extend([
             "--transport",
-            "nixl",
+            transport,
             "--mode",
             mode,
             "--tp",
@@ -161,24 +159,34 @@ fn bench_over_nixl_pull_and_push() {
             order,
         ]);
         let (code, out, err) = kvxfer(&args);
-        assert_eq!(code, 0, "{mode} {tp} over nixl: {err}");
+        assert_eq!(code, 0, "{mode} {tp} over {transport}: {err}");
         assert!(
-            out.contains("over nixl") && out.contains("all correct"),
+            out.contains(&format!("over {transport}")) && out.contains("all correct"),
             "{out}"
         );
     }
     let mut args = SMALL.to_vec();
     args.extend([
         "--transport",
-        "nixl",
+        transport,
         "--model",
         "deepseek-v3",
         "--tp",
         "2:1",
     ]);
     let (code, out, err) = kvxfer(&args);
-    assert_eq!(code, 0, "MLA over nixl: {err}");
+    assert_eq!(code, 0, "MLA over {transport}: {err}");
     assert!(out.contains("all correct"), "{out}");
+}
+
+#[test]
+fn bench_over_nixl_pull_and_push() {
+    bench_pull_and_push_over("nixl");
+}
+
+#[test]
+fn bench_over_ucx_pull_and_push() {
+    bench_pull_and_push_over("ucx");
 }
 
 #[test]
@@ -206,16 +214,30 @@ fn bench_sweep_writes_a_chart() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `kvxfer serve` in one process, `kvxfer bench --connect` in another, over NIXL; Ctrl-C
-/// (SIGINT) ends the server cleanly. Skipped with a printed reason without the runtime.
 #[test]
-fn serve_and_bench_in_two_processes() {
+fn serve_refuses_the_loopback() {
     let (code, _, err) = kvxfer(&["serve", "--transport", "loopback", "--duration", "1"]);
     assert_eq!(code, 2);
     assert!(err.contains("cannot cross processes"), "{err}");
-    let (_, _, probe) = kvxfer(&["bench", "--transport", "nixl", "--requests", "0"]);
+}
+
+#[test]
+fn serve_and_bench_in_two_processes_over_nixl() {
+    serve_and_bench_in_two_processes("nixl");
+}
+
+#[test]
+fn serve_and_bench_in_two_processes_over_ucx() {
+    serve_and_bench_in_two_processes("ucx");
+}
+
+/// `kvxfer serve` in one process, `kvxfer bench --connect` in another, over `transport`;
+/// Ctrl-C (SIGINT) ends the server cleanly. Skipped with a printed reason where the build
+/// or machine lacks the transport.
+fn serve_and_bench_in_two_processes(transport: &str) {
+    let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
     if !probe.contains("must be positive") {
-        println!("SKIP [nixl] two-process run: {}", probe.trim());
+        println!("SKIP [{transport}] two-process run: {}", probe.trim());
         return;
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -229,7 +251,7 @@ fn serve_and_bench_in_two_processes() {
         .args([
             "serve",
             "--transport",
-            "nixl",
+            transport,
             "--port",
             &port,
             "--duration",
@@ -248,7 +270,7 @@ fn serve_and_bench_in_two_processes() {
     let mut args = vec![
         "bench",
         "--transport",
-        "nixl",
+        transport,
         "--connect",
         &connect,
         "--tokens",

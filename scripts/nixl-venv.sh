@@ -14,3 +14,10 @@ fi
 site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 echo "export LD_LIBRARY_PATH=$site/.nixl_cu12.mesonpy.libs:$site/nixl_cu12.libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 echo "export NIXL_PLUGIN_DIR=$site/.nixl_cu12.mesonpy.libs/plugins"
+# The wheel bundles its own UCX and rdma-core. On a machine without RDMA devices its IB
+# modules are useless, and where the system rdma-core is also installed (libucx0 depends on
+# it) one of them loads the system libibverbs: two libnl copies then crash the process at
+# exit. Skip those modules there, unless UCX_MODULES is already set.
+if [ -z "${UCX_MODULES:-}" ] && [ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
+    echo "export UCX_MODULES='^ib*'"
+fi
