@@ -14,7 +14,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
-use kvxfer_tests::memory::{Buffer, Rng};
+use kvxfer_tests::anon_mem::AnonMem;
+use kvxfer_tests::memory::{Rng, fill};
 use kvxfer_tests::remote::RemoteAgent;
 use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
 
@@ -39,8 +40,27 @@ fn permutation(seed: u64) -> Vec<u64> {
     p
 }
 
+/// How the READ is cut into descriptors.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// 8192 blocks of 32 KiB, sources in a random order (a real fragmented request).
+    Fragmented,
+    /// The same 8192 blocks in order (adjacent, but still 8192 descriptors).
+    InOrder,
+    /// One descriptor of the whole 268 MB (what `ucx_perftest` moves).
+    Whole,
+}
+
 /// Median bytes/s of `rounds` READs of the whole shape, after two warm-up rounds.
-fn kvxfer_read(tls: &str, rounds: usize, perm: &[u64]) -> (f64, Duration) {
+fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
+    let perm = match shape {
+        Shape::Fragmented => permutation(42),
+        Shape::InOrder | Shape::Whole => (0..BLOCKS).collect(),
+    };
+    let (count, len) = match shape {
+        Shape::Whole => (1, TOTAL),
+        _ => (BLOCKS, BLOCK),
+    };
     let mut b = RemoteAgent::spawn(AGENT, &["ucx", tls], "bench-src").expect("helper");
     let mut a = UcxTransport::with_config(
         "bench-dst",
@@ -50,22 +70,29 @@ fn kvxfer_read(tls: &str, rounds: usize, perm: &[u64]) -> (f64, Duration) {
         },
     )
     .expect("UCX agent");
-    let mut src = Buffer::new(TOTAL as usize, Some(1));
-    let mut dst = Buffer::new(TOTAL as usize, None);
-    src.registration = Some(b.register(H, src.range()).expect("register source"));
-    dst.registration = Some(a.register(H, dst.range()).expect("register destination"));
+    // Engine-like memory on both sides: anonymous, huge pages advised.
+    let src_addr = b.alloc_filled(TOTAL, 1).expect("helper memory");
+    let _src_reg = b
+        .register(H, AddrRange::new(src_addr, TOTAL))
+        .expect("register source");
+    let mut expected = vec![0u8; TOTAL as usize];
+    fill(&mut expected, Some(1));
+    let dst = AnonMem::new(TOTAL as usize);
+    let dst_reg = a
+        .register(H, AddrRange::new(dst.addr(), TOTAL))
+        .expect("register destination");
     let peer = a.load_peer(&b.metadata().expect("metadata")).expect("load");
-    let blocks = |buf: &Buffer| -> Vec<AddrRange> {
-        (0..BLOCKS)
-            .map(|i| AddrRange::new(buf.addr(i * BLOCK), BLOCK))
+    let blocks = |base: u64| -> Vec<AddrRange> {
+        (0..count)
+            .map(|i| AddrRange::new(base + i * len, len))
             .collect()
     };
-    let local = a.prepare_local(H, &blocks(&dst)).expect("local list");
+    let local = a.prepare_local(H, &blocks(dst.addr())).expect("local list");
     let remote = a
-        .prepare_remote(peer, H, &blocks(&src))
+        .prepare_remote(peer, H, &blocks(src_addr))
         .expect("remote list");
-    let local_idx: Vec<u32> = (0..BLOCKS as u32).collect();
-    let remote_idx: Vec<u32> = perm.iter().map(|&p| p as u32).collect();
+    let local_idx: Vec<u32> = (0..count as u32).collect();
+    let remote_idx: Vec<u32> = perm[..count as usize].iter().map(|&p| p as u32).collect();
     let mut times = Vec::new();
     let mut first = Duration::ZERO;
     for round in 0..rounds + 2 {
@@ -89,13 +116,14 @@ fn kvxfer_read(tls: &str, rounds: usize, perm: &[u64]) -> (f64, Duration) {
             times.push(TOTAL as f64 / t.as_secs_f64());
         }
     }
-    for (i, &p) in perm.iter().enumerate() {
+    for (i, &p) in perm.iter().enumerate().take((count * len / BLOCK) as usize) {
         let (d, s) = ((i as u64 * BLOCK) as usize, (p * BLOCK) as usize);
         assert!(
-            dst.bytes()[d..d + BLOCK as usize] == src.bytes()[s..s + BLOCK as usize],
+            dst.as_slice()[d..d + BLOCK as usize] == expected[s..s + BLOCK as usize],
             "block {i} differs"
         );
     }
+    drop(dst_reg);
     (median(&mut times), first)
 }
 
@@ -150,9 +178,10 @@ fn perftest(tls: &str, size: u64, iters: u64, warmup: u64) -> Result<f64, String
 
 /// Median bytes/s of single-thread memcpy of the same blocks in the same order.
 fn memcpy(rounds: usize, perm: &[u64]) -> f64 {
-    let mut rng = Rng::new(3);
-    let src: Vec<u8> = (0..TOTAL).map(|_| rng.next_u64() as u8).collect();
-    let mut dst = vec![1u8; TOTAL as usize];
+    let mut src = AnonMem::new(TOTAL as usize);
+    fill(src.as_mut_slice(), Some(3));
+    let (src, mut dst) = (src, AnonMem::new(TOTAL as usize));
+    let (src, dst) = (src.as_slice(), dst.as_mut_slice());
     let mut times = Vec::new();
     for _ in 0..rounds + 1 {
         let start = Instant::now();
@@ -171,30 +200,41 @@ fn main() {
         .filter_map(|a| a.parse().ok())
         .next()
         .unwrap_or(8);
-    let perm = permutation(42);
     let gb = |b: f64| b / 1e9;
     println!(
         "READ of {BLOCKS} x {} KiB = {:.0} MB across two processes, median of {rounds} rounds",
         BLOCK >> 10,
         TOTAL as f64 / 1e6
     );
-    let copy = memcpy(rounds, &perm);
+    let copy = memcpy(rounds, &permutation(42));
     for tls in ["sm,self", "tcp,self"] {
-        let (ours, first) = kvxfer_read(tls, rounds, &perm);
+        let (ours, first) = kvxfer_read(tls, rounds, Shape::Fragmented);
+        let (in_order, _) = kvxfer_read(tls, rounds, Shape::InOrder);
+        let (one, _) = kvxfer_read(tls, rounds, Shape::Whole);
         let whole = perftest(tls, TOTAL, rounds as u64, 2);
         let shaped = perftest(tls, BLOCK, BLOCKS * rounds as u64, BLOCKS);
         println!("UCX_TLS={tls}");
         println!(
-            "  kvxfer READ (8192 descriptors)      {:>7.2} GB/s   first transfer {:.1} ms",
+            "  kvxfer READ, 8192 random blocks     {:>7.2} GB/s   first transfer {:.1} ms",
             gb(ours),
             first.as_secs_f64() * 1e3
         );
+        println!(
+            "  kvxfer READ, 8192 blocks in order   {:>7.2} GB/s",
+            gb(in_order)
+        );
+        println!(
+            "  kvxfer READ, 1 descriptor           {:>7.2} GB/s",
+            gb(one)
+        );
         match &whole {
             Ok(p) => println!(
-                "  ucx_perftest ucp_get, 1 x {:.0} MB  {:>7.2} GB/s   kvxfer ratio {:.2}x",
+                "  ucx_perftest ucp_get, 1 x {:.0} MB  {:>7.2} GB/s   ratio: random {:.2}x, in order {:.2}x, 1 descriptor {:.2}x",
                 TOTAL as f64 / 1e6,
                 gb(*p),
-                ours / p
+                ours / p,
+                in_order / p,
+                one / p
             ),
             Err(e) => println!("  ucx_perftest (same total bytes): {e}"),
         }

@@ -5,6 +5,7 @@
 //! [`conformance_suite!`]; end-to-end connector scenarios live here too as they land.
 #![warn(missing_docs)]
 
+pub mod anon_mem;
 pub mod conformance;
 pub mod memory;
 pub mod pull_env;

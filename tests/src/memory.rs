@@ -35,6 +35,23 @@ pub fn guard_byte(i: usize) -> u8 {
     (i.wrapping_mul(31).wrapping_add(7) % 251) as u8
 }
 
+/// Fills `data` from `seed` (random bytes) or, with `None`, with the guard pattern.
+pub fn fill(data: &mut [u8], seed: Option<u64>) {
+    match seed {
+        Some(s) => {
+            let mut rng = Rng::new(s);
+            for chunk in data.chunks_mut(8) {
+                let v = rng.next_u64().to_le_bytes();
+                chunk.copy_from_slice(&v[..chunk.len()]);
+            }
+        }
+        None => data
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = guard_byte(i)),
+    }
+}
+
 /// A registered host buffer, in memory a helper process can attach ([`crate::shared_mem`]).
 /// Fields drop in order: the registration before the memory.
 pub struct Buffer {
@@ -48,20 +65,7 @@ impl Buffer {
     /// A buffer of `len` bytes filled from `seed` (`None` fills with the guard pattern).
     pub fn new(len: usize, seed: Option<u64>) -> Self {
         let mut data = SharedMem::new(len);
-        match seed {
-            Some(s) => {
-                let mut rng = Rng::new(s);
-                for chunk in data.as_mut_slice().chunks_mut(8) {
-                    let v = rng.next_u64().to_le_bytes();
-                    chunk.copy_from_slice(&v[..chunk.len()]);
-                }
-            }
-            None => data
-                .as_mut_slice()
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, b)| *b = guard_byte(i)),
-        }
+        fill(data.as_mut_slice(), seed);
         let addr = data.addr();
         Buffer {
             registration: None,

@@ -88,6 +88,12 @@ pub enum Request {
     },
     Status(u64),
     Release(u64),
+    /// Allocates `len` bytes of the helper's own anonymous memory (huge pages advised),
+    /// filled like `Buffer::new(len, Some(seed))`; replies with the address.
+    AllocFilled {
+        len: u64,
+        seed: u64,
+    },
     SendNotification(u64, Vec<u8>),
     Drain,
     Shutdown,
@@ -308,6 +314,13 @@ impl RemoteAgent {
         }
     }
 
+    /// Allocates memory in the helper's own address space (anonymous, huge pages advised,
+    /// like an engine's cache), filled like `Buffer::new(len, Some(seed))`; it can then be
+    /// registered with this agent. Freed when the helper exits.
+    pub fn alloc_filled(&self, len: u64, seed: u64) -> TransportResult<u64> {
+        self.id(&Request::AllocFilled { len, seed })
+    }
+
     fn done(&self, req: &Request) -> TransportResult<()> {
         match self.conn.call(req)? {
             Reply::Done => Ok(()),
@@ -366,12 +379,9 @@ impl Transport for RemoteAgent {
     }
 
     fn register(&mut self, kind: MemoryKind, range: AddrRange) -> TransportResult<Registration> {
+        // Shared test memory is attached by the helper; anything else must be memory the
+        // helper allocated itself (it checks).
         let mapping = mapping_of(range.addr, range.len);
-        if kind == MemoryKind::Host && mapping.is_none() {
-            return Err(TransportError::InvalidRegistration(
-                "host memory for a helper process must be shared test memory".into(),
-            ));
-        }
         let id = self.id(&Request::Register {
             kind: kind_to(kind),
             range: (range.addr, range.len),
@@ -500,6 +510,7 @@ pub fn serve<T: Transport>(mut t: T) {
     let mut regs: std::collections::HashMap<u64, (Registration, Option<SharedMapping>)> =
         Default::default();
     let mut attached: std::collections::HashMap<u64, (SharedMapping, usize)> = Default::default();
+    let mut owned: Vec<crate::anon_mem::AnonMem> = Vec::new();
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     for line in stdin.lock().lines() {
@@ -512,7 +523,25 @@ pub fn serve<T: Transport>(mut t: T) {
             }
         };
         let shutdown = matches!(req, Request::Shutdown);
-        let reply = handle(&mut t, req, &mut regs, &mut attached);
+        let reply = match req {
+            Request::AllocFilled { len, seed } => {
+                let mut m = crate::anon_mem::AnonMem::new(len as usize);
+                crate::memory::fill(m.as_mut_slice(), Some(seed));
+                let addr = m.addr();
+                owned.push(m);
+                Reply::Id(addr)
+            }
+            Request::Register {
+                kind: None,
+                range,
+                mapping: None,
+            } if !owned.iter().any(|m| m.contains(range.0, range.1)) => {
+                Reply::Err(WireError::InvalidRegistration(
+                    "host memory for a helper process must be shared test memory or its own".into(),
+                ))
+            }
+            req => handle(&mut t, req, &mut regs, &mut attached),
+        };
         let mut out = REPLY_PREFIX.to_string();
         out.push_str(&serde_json::to_string(&reply).expect("reply encodes"));
         out.push('\n');
@@ -525,9 +554,10 @@ pub fn serve<T: Transport>(mut t: T) {
             break;
         }
     }
-    // Registrations before the transport, mappings after both.
+    // Registrations before the transport, memory after both.
     regs.clear();
     drop(t);
+    drop(owned);
     for (m, _) in attached.values() {
         crate::shared_mem::detach(m);
     }
@@ -659,7 +689,7 @@ fn handle<T: Transport>(
             r(t.drain_notifications(&mut out)
                 .map(|_| Reply::Notes(out.into_iter().map(|n| (n.from, n.message)).collect())))
         }
-        Request::Shutdown => Reply::Done,
+        Request::Shutdown | Request::AllocFilled { .. } => Reply::Done,
     }
 }
 

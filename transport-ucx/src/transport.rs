@@ -2,10 +2,10 @@
 //! per descriptor), endpoint flush before a WRITE is reported done, and notifications as
 //! eager active messages sent only after the data is complete.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::transport::checks::{PreparedList, check_pairs, resolve_indexed};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
@@ -24,11 +24,33 @@ use crate::worker::{Ucp, check};
 pub(crate) struct Shared {
     state: Mutex<State>,
     stop: AtomicBool,
+    /// When the owner last polled (µs since `epoch`): the progress thread stays out of the
+    /// way while the owner drives the worker itself (on two cores, contending for the lock
+    /// cost a third of the bandwidth).
+    owner_polled_us: AtomicU64,
+    epoch: Instant,
 }
+
+/// How long after the owner's last poll the progress thread takes over.
+const OWNER_ACTIVE: Duration = Duration::from_millis(2);
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    /// The owner is driving the worker: called from its polling entry points.
+    fn owner_polls(&self) {
+        self.owner_polled_us.store(self.now_us(), Ordering::Relaxed);
+    }
+
+    fn owner_active(&self) -> bool {
+        let last = self.owner_polled_us.load(Ordering::Relaxed);
+        last != 0 && self.now_us().saturating_sub(last) < OWNER_ACTIVE.as_micros() as u64
     }
 }
 
@@ -86,6 +108,8 @@ impl UcxTransport {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::new(ucp, name, config)?),
             stop: AtomicBool::new(false),
+            owner_polled_us: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         let progress = if thread {
             Some(spawn_progress(Arc::clone(&shared))?)
@@ -132,6 +156,10 @@ fn spawn_progress(shared: Arc<Shared>) -> TransportResult<JoinHandle<()>> {
         .name("kvxfer-ucx-progress".into())
         .spawn(move || {
             while !shared.stop.load(Ordering::Acquire) {
+                if shared.owner_active() {
+                    std::thread::sleep(OWNER_ACTIVE / 2);
+                    continue;
+                }
                 let armed = {
                     let mut st = shared.lock();
                     st.progress();
@@ -172,28 +200,36 @@ fn out_of_bounds(r: &AddrRange, kind: MemoryKind, whose: &'static str) -> Transp
     }
 }
 
-fn check_local(st: &State, kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<Vec<u64>> {
+/// Checks every local range lies in one of our registrations; returns the registrations
+/// touched and, per range, the memory handle of its registration.
+fn check_local(
+    st: &State,
+    kind: MemoryKind,
+    ranges: &[AddrRange],
+) -> TransportResult<(Vec<u64>, Vec<sys::ucp_mem_h>)> {
     let mut ids: Vec<u64> = Vec::new();
-    let mut last: Option<(u64, AddrRange)> = None;
+    let mut memhs = Vec::with_capacity(ranges.len());
+    let mut last: Option<(u64, AddrRange, sys::ucp_mem_h)> = None;
     for r in ranges {
         // Descriptors mostly fall in the region of the one before: check it first.
         let hit = match last {
-            Some((id, range)) if range.contains(r) => Some(id),
+            Some((id, range, memh)) if range.contains(r) => Some((id, memh)),
             _ => st
                 .regions
                 .iter()
                 .find(|(_, reg)| reg.kind == kind && reg.range.contains(r))
                 .map(|(&id, reg)| {
-                    last = Some((id, reg.range));
-                    id
+                    last = Some((id, reg.range, reg.memh));
+                    (id, reg.memh)
                 }),
         };
-        let id = hit.ok_or_else(|| out_of_bounds(r, kind, "locally"))?;
+        let (id, memh) = hit.ok_or_else(|| out_of_bounds(r, kind, "locally"))?;
+        memhs.push(memh);
         if !ids.contains(&id) {
             ids.push(id);
         }
     }
-    Ok(ids)
+    Ok((ids, memhs))
 }
 
 /// Index into the peer's regions of the one containing `r`.
@@ -288,7 +324,7 @@ impl UcxTransport {
         if let Some(n) = notification {
             check_notification(st, n)?;
         }
-        let regions = check_local(st, kinds.0, local)?;
+        let (regions, memhs) = check_local(st, kinds.0, local)?;
         let keys = check_remote(st, peer, kinds.1, remote)?;
         let id = XferId(st.next());
         let name = st.name.clone();
@@ -307,9 +343,14 @@ impl UcxTransport {
         if let Some(e) = &p.health.error {
             x.error = Some(format!("peer {:?} is unreachable: {e}", p.name));
         } else {
-            let param = x.params();
-            for ((l, r), &k) in local.iter().zip(remote).zip(&keys) {
+            let mut param = x.params();
+            // Our registration's handle and memory type: UCX skips its per-request lookups.
+            param.op_attr_mask |= sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH
+                | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            param.memory_type = mem_type(kinds.0);
+            for (((l, r), &k), &memh) in local.iter().zip(remote).zip(&keys).zip(&memhs) {
                 let rkey = p.regions[k].2;
+                param.memh = memh;
                 // SAFETY: both ranges were checked against registered memory; the callback
                 // target `x` is boxed and kept until its count is zero.
                 let ptr = unsafe {
@@ -340,8 +381,9 @@ impl UcxTransport {
             if op == Op::Write && x.error.is_none() && !local.is_empty() {
                 // A put is complete locally before it is visible remotely; the flush
                 // completes once every earlier put landed.
+                let flush = x.params();
                 // SAFETY: as above.
-                let ptr = unsafe { sys::api().ucp_ep_flush_nbx(p.ep, &param) };
+                let ptr = unsafe { sys::api().ucp_ep_flush_nbx(p.ep, &flush) };
                 x.account(ptr);
             }
         }
@@ -570,6 +612,7 @@ impl Transport for UcxTransport {
         remote_idx: &[u32],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
+        self.shared.owner_polls();
         let mut st = self.lock();
         let lists = &st.lists;
         let x = resolve_indexed(
@@ -597,11 +640,13 @@ impl Transport for UcxTransport {
         remote: &[AddrRange],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
+        self.shared.owner_polls();
         let mut st = self.lock();
         Self::submit(&mut st, op, peer, kinds, local, remote, notification)
     }
 
     fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
+        self.shared.owner_polls();
         let mut st = self.lock();
         if !st.xfers.contains_key(&xfer) {
             return Err(TransportError::UnknownTransfer(xfer));
@@ -678,6 +723,7 @@ impl Transport for UcxTransport {
     }
 
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
+        self.shared.owner_polls();
         let mut st = self.lock();
         st.progress();
         let n = st.inbox.notes.len();
