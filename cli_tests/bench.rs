@@ -292,3 +292,69 @@ fn serve_and_bench_in_two_processes(transport: &str) {
         "serve did not end cleanly on SIGINT: {status:?}"
     );
 }
+
+/// `--config FILE`: the documented example is accepted, its keys reach the run, flags on the
+/// command line win, and bad files give clear errors before anything runs.
+#[test]
+fn config_file_sets_and_flags_override() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/kvxfer.example.toml");
+    // The example's values are used (`--requests 0` from the command line wins and stops the
+    // run at the argument check, so nothing heavy runs).
+    let (code, _, err) = kvxfer(&["bench", "--config", example, "--requests", "0"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("must be positive"), "{err}");
+    let dir = std::env::temp_dir().join(format!("kvxfer-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    // A small run configured by the file alone, with a table and a top-level key.
+    let small = write(
+        "small.toml",
+        "num-blocks = 8\n[bench]\ntokens = 64\nrequests = 2\nwarmup = 1\n[serve]\nport = 1\n",
+    );
+    let (code, out, err) = kvxfer(&["bench", "--config", &small]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("2 x 64 tokens") && out.contains("all correct"),
+        "{out}"
+    );
+    let (code, out, _) = kvxfer(&["bench", "--config", &small, "--tokens", "32"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("2 x 32 tokens"),
+        "flag did not override the file: {out}"
+    );
+    let cases = [
+        ("unknown.toml", "colour = 1\n", "unknown key \"colour\""),
+        (
+            "wrong-table.toml",
+            "[bench]\nrole = \"prefill\"\n",
+            "unknown key \"role\"",
+        ),
+        ("table.toml", "[decode]\nx = 1\n", "unknown table [decode]"),
+        (
+            "array.toml",
+            "tokens = [1, 2]\n",
+            "must be a string, number or boolean",
+        ),
+        ("syntax.toml", "tokens = \n", "config file"),
+        ("value.toml", "tokens = \"many\"\n", "--tokens"),
+    ];
+    for (name, text, needle) in cases {
+        let path = write(name, text);
+        let (code, _, err) = kvxfer(&["bench", "--config", &path]);
+        assert_eq!(code, 2, "{name}: {err}");
+        assert!(err.contains(needle), "{name}: {err}");
+    }
+    let huge = write("huge.toml", &"# padding\n".repeat(200_000));
+    let (code, _, err) = kvxfer(&["bench", "--config", &huge]);
+    assert_eq!(code, 2);
+    assert!(err.contains("larger than"), "{err}");
+    let (code, _, err) = kvxfer(&["bench", "--config", "/nonexistent/kvxfer.toml"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("No such file"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

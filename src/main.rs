@@ -1,11 +1,13 @@
 //! The `kvxfer` command.
 
+mod config_file;
+
 use std::process::ExitCode;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use kvxfer::bench::{BenchConfig, Memory, Mode};
 use kvxfer::inspect::{InspectConfig, report};
 use kvxfer::models::ModelShape;
@@ -21,6 +23,11 @@ use kvxfer_layout::BlockOrder;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Read settings from a TOML file: keys are the long flag names (`tokens = 2048`,
+    /// `tp = "1:2"`), in a `[bench]`/`[serve]`/`[inspect]` table or at the top level; flags on
+    /// the command line win. See kvxfer.example.toml.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -68,6 +75,7 @@ struct Shape {
 enum Command {
     /// Run a prefill and a decode engine in one process, move a batch of requests, verify
     /// every byte, and print throughput, latency and the ratio to memcpy of the same bytes.
+    #[command(args_override_self = true)]
     Bench {
         #[command(flatten)]
         shape: Shape,
@@ -121,6 +129,7 @@ enum Command {
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and answers reads until Ctrl-C (or `--duration`).
+    #[command(args_override_self = true)]
     Serve {
         #[command(flatten)]
         shape: Shape,
@@ -145,6 +154,7 @@ enum Command {
         transport: TransportKind,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
+    #[command(args_override_self = true)]
     Inspect {
         #[command(flatten)]
         shape: Shape,
@@ -215,7 +225,14 @@ fn parse_tp(s: &str) -> Result<(u32, u32), String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args = match config_file::expand(std::env::args_os().collect(), &Cli::command()) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(args);
     // Logs go to stderr, filtered by RUST_LOG (warnings by default).
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
