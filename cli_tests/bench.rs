@@ -235,6 +235,12 @@ fn serve_and_bench_in_two_processes_over_ucx() {
 /// Ctrl-C (SIGINT) ends the server cleanly. Skipped with a printed reason where the build
 /// or machine lacks the transport.
 fn serve_and_bench_in_two_processes(transport: &str) {
+    for mode in ["pull", "push"] {
+        serve_and_bench(transport, mode);
+    }
+}
+
+fn serve_and_bench(transport: &str, mode: &str) {
     let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
     if !probe.contains("must be positive") {
         println!("SKIP [{transport}] two-process run: {}", probe.trim());
@@ -246,7 +252,17 @@ fn serve_and_bench_in_two_processes(transport: &str) {
         .unwrap()
         .port()
         .to_string();
-    let shape = ["--num-blocks", "8", "--tp", "1:2"];
+    // Push: both sides derive the source blocks from tokens and seed, so they take the same.
+    let shape = [
+        "--num-blocks",
+        "8",
+        "--tp",
+        "1:2",
+        "--mode",
+        mode,
+        "--tokens",
+        "64",
+    ];
     let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
         .args([
             "serve",
@@ -273,20 +289,24 @@ fn serve_and_bench_in_two_processes(transport: &str) {
         transport,
         "--connect",
         &connect,
-        "--tokens",
-        "64",
         "--requests",
-        "2",
+        "3",
         "--warmup",
         "1",
+        "--concurrency",
+        "2",
     ];
     args.extend(shape);
     let (code, out_text, err) = kvxfer(&args);
     let pid = server.id().to_string();
     let _ = Command::new("kill").args(["-INT", &pid]).status();
     let status = server.wait().expect("serve exits");
-    assert_eq!(code, 0, "{err}");
-    assert!(out_text.contains("all correct"), "{out_text}");
+    assert_eq!(code, 0, "{mode} over {transport}: {err}");
+    assert!(
+        out_text.contains(&format!("{mode} mode over {transport}"))
+            && out_text.contains("all correct"),
+        "{out_text}"
+    );
     assert!(
         status.success(),
         "serve did not end cleanly on SIGINT: {status:?}"

@@ -77,7 +77,7 @@ impl Drop for Hosts {
 }
 
 #[test]
-fn pull_between_two_hosts_over_ucx_tcp() {
+fn pull_and_push_between_two_hosts_over_ucx_tcp() {
     let probe = Command::new(kvxfer())
         .args(["bench", "--transport", "ucx", "--requests", "0"])
         .output()
@@ -94,36 +94,47 @@ fn pull_between_two_hosts_over_ucx_tcp() {
             return;
         }
     };
-    let port = "5600";
-    let shape = ["--num-blocks", "8", "--tp", "1:2"];
-    let mut server = hosts
-        .kvxfer(
-            0,
-            &["serve", "--transport", "ucx", "--host", &hosts.addrs[0]],
-        )
-        .args(["--port", port, "--duration", "120"])
-        .args(shape)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start serve");
-    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    assert!(line.contains("serving"), "{line}");
-    let connect = format!("{}:{port}", hosts.addrs[0]);
-    let bench = hosts
-        .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
-        .args(["--tokens", "64", "--requests", "3", "--warmup", "1"])
-        .args(shape)
-        .output()
-        .expect("run bench");
-    let _ = server.kill();
-    let _ = server.wait();
-    let text = String::from_utf8_lossy(&bench.stdout);
-    assert!(
-        bench.status.success() && text.contains("all correct"),
-        "{text}\n{}",
-        String::from_utf8_lossy(&bench.stderr)
-    );
-    println!("{text}");
+    for (mode, port) in [("pull", "5600"), ("push", "5601")] {
+        // Push: both sides derive the source blocks from tokens and seed.
+        let shape = [
+            "--num-blocks",
+            "8",
+            "--tp",
+            "1:2",
+            "--mode",
+            mode,
+            "--tokens",
+            "64",
+        ];
+        let mut server = hosts
+            .kvxfer(
+                0,
+                &["serve", "--transport", "ucx", "--host", &hosts.addrs[0]],
+            )
+            .args(["--port", port, "--duration", "120"])
+            .args(shape)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start serve");
+        let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(line.contains("serving"), "{line}");
+        let connect = format!("{}:{port}", hosts.addrs[0]);
+        let bench = hosts
+            .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
+            .args(["--requests", "3", "--warmup", "1"])
+            .args(shape)
+            .output()
+            .expect("run bench");
+        let _ = server.kill();
+        let _ = server.wait();
+        let text = String::from_utf8_lossy(&bench.stdout);
+        assert!(
+            bench.status.success() && text.contains("all correct"),
+            "{mode}: {text}\n{}",
+            String::from_utf8_lossy(&bench.stderr)
+        );
+        println!("{text}");
+    }
 }

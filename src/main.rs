@@ -122,8 +122,9 @@ enum Command {
         /// Where `--sweep` writes its chart (SVG).
         #[arg(long, default_value = "kvxfer-sweep.svg")]
         chart: PathBuf,
-        /// Decode only: pull from a prefill run by `kvxfer serve` at HOST:PORT (same model,
-        /// TP, block size and blocks on both sides; a transport that crosses processes).
+        /// Decode only: use a prefill run by `kvxfer serve` at HOST:PORT (same model, TP,
+        /// block size and blocks on both sides, and for push the same mode, tokens, seed and
+        /// --contiguous; a transport that crosses processes).
         #[arg(long, value_parser = parse_addr)]
         connect: Option<(String, u16)>,
     },
@@ -149,9 +150,25 @@ enum Command {
         /// Blocks per region.
         #[arg(long, default_value_t = 256)]
         num_blocks: u32,
-        /// Transport (one that crosses processes: nixl).
+        /// Transport (one that crosses processes: ucx or nixl).
         #[arg(long, default_value = "nixl")]
         transport: TransportKind,
+        /// Transfer style the decode side will use (`bench --mode`): pull serves READs,
+        /// push WRITEs each room a decode asks for.
+        #[arg(long, value_enum, default_value = "pull")]
+        mode: ModeArg,
+        /// Push: tokens per request (as the decode's `--tokens`).
+        #[arg(long, default_value_t = 2048)]
+        tokens: u32,
+        /// Push: pipeline stages of the prefill.
+        #[arg(long, default_value_t = 1)]
+        pp: u32,
+        /// Push: consecutive source blocks (as the decode's `--contiguous`).
+        #[arg(long)]
+        contiguous: bool,
+        /// Push: seed of the source block choice (as the decode's `--seed`).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     #[command(args_override_self = true)]
@@ -255,6 +272,11 @@ fn main() -> ExitCode {
             duration,
             num_blocks,
             transport,
+            mode,
+            tokens,
+            pp,
+            contiguous,
+            seed,
         } => {
             if role != "prefill" {
                 eprintln!(
@@ -267,18 +289,21 @@ fn main() -> ExitCode {
                 order: block_order(order),
                 prefill_tp: tp.0,
                 decode_tp: tp.1,
-                prefill_pp: 1,
+                prefill_pp: pp,
                 block_size,
                 num_blocks,
                 requests: 1,
-                tokens_per_request: block_size,
+                tokens_per_request: tokens,
                 concurrency: 1,
                 warmup: 0,
-                fragmented: true,
+                fragmented: !contiguous,
                 transport,
                 memory: Memory::Host,
-                mode: Mode::Pull,
-                seed: 1,
+                mode: match mode {
+                    ModeArg::Pull => Mode::Pull,
+                    ModeArg::Push => Mode::Push,
+                },
+                seed,
                 connect: None,
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -255,11 +255,6 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     }
     if c.connect.is_some() {
         in_process_only(c)?;
-        if c.mode == Mode::Push {
-            return Err(BenchError::Config(
-                "--connect runs the pull mode; push across processes is not available yet".into(),
-            ));
-        }
     }
     if c.mode == Mode::Push {
         return push::run(c, progress);
@@ -499,6 +494,9 @@ pub fn serve(
 ) -> Result<(), BenchError> {
     crate::transports::availability(c.transport)?;
     in_process_only(c)?;
+    if c.mode == Mode::Push {
+        return push::serve(c, host, port, stop);
+    }
     let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
     let num_blocks = c
         .num_blocks
@@ -533,7 +531,7 @@ pub fn serve(
 fn in_process_only(c: &BenchConfig) -> Result<(), BenchError> {
     if c.transport == TransportKind::Loopback {
         return Err(BenchError::Config(
-            "the loopback transport cannot cross processes; use --transport nixl".into(),
+            "the loopback transport cannot cross processes; use --transport ucx or nixl".into(),
         ));
     }
     Ok(())

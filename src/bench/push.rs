@@ -80,16 +80,15 @@ fn ranks(
         .collect()
 }
 
-/// Runs the push-mode bench.
-pub(super) fn run(
+/// Prefill ranks (every stage × TP rank) with their bootstrap registry bound at `bind`.
+fn prefill_side(
     c: &BenchConfig,
-    progress: &mut dyn FnMut(u32, u32),
-) -> Result<BenchReport, BenchError> {
-    let per_request = c.tokens_per_request.div_ceil(c.block_size);
-    let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
-    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
-    let clock = Arc::new(SystemClock::default());
-    let registry = BootstrapRegistry::bind("127.0.0.1", 0).map_err(BenchError::Config)?;
+    mapping: &TpMapping,
+    num_blocks: u32,
+    bind: (&str, u16),
+    clock: Arc<dyn kvxfer_core::clock::Clock>,
+) -> Result<Prefill, BenchError> {
+    let registry = BootstrapRegistry::bind(bind.0, bind.1).map_err(BenchError::Config)?;
     let split = PpSplit::even(c.model.layers, c.prefill_pp)?;
     let mut pre = Prefill {
         workers: Vec::new(),
@@ -99,7 +98,7 @@ pub(super) fn run(
     for stage in split.stages() {
         pre.ranks.extend(ranks(
             c,
-            &mapping,
+            mapping,
             Side::Prefill,
             c.prefill_tp,
             num_blocks,
@@ -111,9 +110,9 @@ pub(super) fn run(
             let cfg = PushPrefillConfig {
                 tp: (r, c.prefill_tp),
                 pp: (i, c.prefill_pp),
-                host: "127.0.0.1".into(),
+                host: bind.0.into(),
                 port: 0,
-                registry: ("127.0.0.1".into(), pre.registry.port()),
+                registry: (bind.0.into(), pre.registry.port()),
                 bootstrap_timeout: Duration::from_secs(60),
                 request_timeout: Duration::from_secs(5),
             };
@@ -125,6 +124,42 @@ pub(super) fn run(
             );
         }
     }
+    Ok(pre)
+}
+
+/// The prefill blocks a room's KV comes from: derived from the seed and the room id alone,
+/// so a prefill in another process (`kvxfer serve --mode push`) and the decode that verifies
+/// agree without exchanging them.
+pub(super) fn source_pages(
+    c: &BenchConfig,
+    room: u64,
+    per_request: u32,
+    num_blocks: u32,
+) -> Vec<u32> {
+    let mut state = (c.seed ^ room.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+    choose(0..num_blocks, per_request, c.fragmented, &mut state)
+}
+
+/// Runs the push-mode bench.
+pub(super) fn run(
+    c: &BenchConfig,
+    progress: &mut dyn FnMut(u32, u32),
+) -> Result<BenchReport, BenchError> {
+    let per_request = c.tokens_per_request.div_ceil(c.block_size);
+    let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
+    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
+    let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
+    // The prefill runs here, or in another process (`kvxfer serve --mode push`).
+    let mut pre = match &c.connect {
+        None => Some(prefill_side(
+            c,
+            &mapping,
+            num_blocks,
+            ("127.0.0.1", 0),
+            clock.clone(),
+        )?),
+        Some(_) => None,
+    };
     let mut dec = Decode {
         workers: Vec::new(),
         ranks: ranks(
@@ -147,7 +182,21 @@ pub(super) fn run(
         dec.workers
             .push(PushDecode::new(t, cfg, bufs, clock.clone()).map_err(BenchError::Config)?);
     }
-    let port = pre.registry.port();
+    let bootstrap = match (&c.connect, &pre) {
+        (Some((h, p)), _) => (h.clone(), *p),
+        (None, Some(p)) => ("127.0.0.1".to_string(), p.registry.port()),
+        (None, None) => unreachable!("a local prefill exists without --connect"),
+    };
+    // Rooms of a served prefill outlive this run: start from a fresh range each time.
+    let room_base = match c.connect {
+        Some(_) => {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_micros() as u64)
+                << 16
+        }
+        None => 0,
+    };
     let mut state = c.seed | 1;
     let total = c.warmup + c.requests;
     let mut report = BenchReport::default();
@@ -160,7 +209,7 @@ pub(super) fn run(
         let mut jobs = Vec::new();
         let setup = Instant::now();
         for (slot, &i) in wave.iter().enumerate() {
-            let room = u64::from(i);
+            let room = room_base + u64::from(i);
             let part = num_blocks / c.concurrency;
             let local = choose(
                 slot as u32 * part..(slot as u32 + 1) * part,
@@ -168,27 +217,39 @@ pub(super) fn run(
                 c.fragmented,
                 &mut state,
             );
-            let remote = choose(0..num_blocks, per_request, c.fragmented, &mut state);
+            let remote = source_pages(c, room, per_request, num_blocks);
             for d in &mut dec.workers {
-                d.add_room(room, ("127.0.0.1", port), local.clone(), None, Vec::new());
+                d.add_room(
+                    room,
+                    (&bootstrap.0, bootstrap.1),
+                    local.clone(),
+                    None,
+                    Vec::new(),
+                );
             }
-            for p in &mut pre.workers {
+            for p in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
                 p.add_room(room, remote.len(), None, Vec::new());
             }
             jobs.push((room, remote, local));
         }
         let rooms: Vec<u64> = jobs.iter().map(|j| j.0).collect();
-        wait(&mut pre, &mut dec, &rooms, |pre, _| {
-            jobs.iter().all(|(room, ..)| {
-                pre.workers
+        wait(pre.as_mut(), &mut dec, &rooms, |pre, dec| {
+            jobs.iter().all(|(room, ..)| match pre {
+                Some(pre) => pre
+                    .workers
                     .iter()
-                    .all(|p| p.status(*room) == Some(RoomStatus::WaitingForInput))
+                    .all(|p| p.status(*room) == Some(RoomStatus::WaitingForInput)),
+                // A served prefill sends once it has everything; bootstrap ends there.
+                None => dec
+                    .workers
+                    .iter()
+                    .all(|d| d.status(*room) >= Some(RoomStatus::WaitingForInput)),
             })
         })?;
-        let bootstrap = setup.elapsed();
+        let bootstrap_time = setup.elapsed();
         let start = Instant::now();
         for (room, remote, _) in &jobs {
-            for p in &mut pre.workers {
+            for p in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
                 for chunk in remote.chunks(CHUNK_PAGES) {
                     p.send(*room, chunk).map_err(|e| BenchError::Failed {
                         req: room.to_string(),
@@ -198,7 +259,7 @@ pub(super) fn run(
             }
         }
         let mut finished_at = vec![None; jobs.len()];
-        wait(&mut pre, &mut dec, &rooms, |_, dec| {
+        wait(pre.as_mut(), &mut dec, &rooms, |_, dec| {
             for (j, (room, ..)) in jobs.iter().enumerate() {
                 if finished_at[j].is_none()
                     && dec
@@ -218,7 +279,7 @@ pub(super) fn run(
             .copied()
             .unwrap_or_default();
         let mut wave_metrics = PushMetrics::default();
-        for p in &mut pre.workers {
+        for p in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
             let m = p.take_metrics();
             wave_metrics.kv_bytes += m.kv_bytes;
             wave_metrics.descriptors_raw += m.descriptors_raw;
@@ -230,14 +291,17 @@ pub(super) fn run(
             let pairs: Vec<(u32, u32)> =
                 remote.iter().copied().zip(local.iter().copied()).collect();
             for (r, rank) in dec.ranks.iter().enumerate() {
-                report.verified_bytes +=
-                    fill::verify(&rank.mem, &rank.spec, (rank.first_head, 0), &pairs).map_err(
-                        |e| {
-                            BenchError::Verification(format!("room {room} on decode rank {r}: {e}"))
-                        },
-                    )?;
+                let checked = fill::verify(&rank.mem, &rank.spec, (rank.first_head, 0), &pairs)
+                    .map_err(|e| {
+                        BenchError::Verification(format!("room {room} on decode rank {r}: {e}"))
+                    })?;
+                report.verified_bytes += checked;
+                if pre.is_none() {
+                    // The prefill's counters are in its own process: count what arrived.
+                    wave_metrics.kv_bytes += checked;
+                }
             }
-            for p in &mut pre.workers {
+            for p in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
                 p.remove_room(*room);
             }
             for d in &mut dec.workers {
@@ -246,8 +310,8 @@ pub(super) fn run(
         }
         if wave[0] < c.warmup {
             if wave[0] == 0 {
-                report.handshake_ms = ms(bootstrap);
-                report.first_transfer_ms = ms(bootstrap + finished_at[0].unwrap_or_default());
+                report.handshake_ms = ms(bootstrap_time);
+                report.first_transfer_ms = ms(bootstrap_time + finished_at[0].unwrap_or_default());
             }
         } else {
             measured += wave_time;
@@ -261,11 +325,9 @@ pub(super) fn run(
         }
         progress(next, total);
     }
-    let memcpy = memcpy_baseline(
-        &pre.ranks[0].mem,
-        moved,
-        dec.ranks[0].spec.block_len() as usize,
-    );
+    let source = pre.as_ref().map_or(&dec.ranks[0].mem, |p| &p.ranks[0].mem);
+    let memcpy = memcpy_baseline(source, moved, dec.ranks[0].spec.block_len() as usize);
+    report.prefill_elsewhere = pre.is_none();
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
@@ -276,26 +338,26 @@ pub(super) fn run(
 
 /// Polls both sides until `done`, failing when one of `rooms` fails or after 300 s.
 fn wait(
-    pre: &mut Prefill,
+    mut pre: Option<&mut Prefill>,
     dec: &mut Decode,
     rooms: &[u64],
-    mut done: impl FnMut(&Prefill, &Decode) -> bool,
+    mut done: impl FnMut(Option<&Prefill>, &Decode) -> bool,
 ) -> Result<(), BenchError> {
     let start = Instant::now();
     loop {
-        for p in &mut pre.workers {
+        for p in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
             p.poll();
         }
         for d in &mut dec.workers {
             d.poll();
         }
-        if done(pre, dec) {
+        if done(pre.as_deref(), dec) {
             return Ok(());
         }
         for &room in rooms {
             let errors = pre
-                .workers
                 .iter()
+                .flat_map(|p| p.workers.iter())
                 .map(|p| p.error(room))
                 .chain(dec.workers.iter().map(|d| d.error(room)));
             if let Some(reason) = errors.flatten().next() {
@@ -312,4 +374,79 @@ fn wait(
         }
         std::thread::yield_now();
     }
+}
+
+/// `kvxfer serve --mode push`: prefill ranks and their bootstrap registry on `host:port`,
+/// answering every room a decode (`kvxfer bench --mode push --connect`) asks for: the room is
+/// added when its request arrives, its KV written in chunks from [`source_pages`] once all
+/// destinations are known, and forgotten once final. Runs until `stop`.
+pub(super) fn serve(
+    c: &BenchConfig,
+    host: &str,
+    port: u16,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<(), BenchError> {
+    let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
+    let num_blocks = c.num_blocks.max(per_request);
+    let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
+    let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
+    let mut pre = prefill_side(c, &mapping, num_blocks, (host, port), clock)?;
+    println!(
+        "serving {} prefill (TP {} x PP {}, push) on {host}:{} over {}; Ctrl-C to stop",
+        c.model.name,
+        c.prefill_tp,
+        c.prefill_pp,
+        pre.registry.port(),
+        c.transport
+    );
+    let mut sent: std::collections::HashSet<u64> = Default::default();
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut requested = std::collections::BTreeSet::new();
+        for p in &mut pre.workers {
+            p.poll();
+            requested.extend(p.requested_rooms());
+        }
+        for &room in &requested {
+            for p in &mut pre.workers {
+                if p.status(room)
+                    .is_some_and(|s| s == RoomStatus::Bootstrapping)
+                {
+                    p.add_room(room, per_request as usize, None, Vec::new());
+                }
+            }
+        }
+        let rooms: std::collections::BTreeSet<u64> =
+            pre.workers.iter().flat_map(|p| p.known_rooms()).collect();
+        for room in rooms {
+            let statuses: Vec<Option<RoomStatus>> =
+                pre.workers.iter().map(|p| p.status(room)).collect();
+            tracing::trace!(room, ?statuses, "served room");
+            if !sent.contains(&room)
+                && statuses
+                    .iter()
+                    .all(|s| *s == Some(RoomStatus::WaitingForInput))
+            {
+                let pages = source_pages(c, room, per_request, num_blocks);
+                for p in &mut pre.workers {
+                    for chunk in pages.chunks(CHUNK_PAGES) {
+                        if let Err(e) = p.send(room, chunk) {
+                            tracing::warn!(room, "send failed: {e}");
+                            break;
+                        }
+                    }
+                }
+                sent.insert(room);
+            } else if statuses.iter().all(|s| s.is_none_or(RoomStatus::is_final)) {
+                for p in &mut pre.workers {
+                    if let Some(e) = p.error(room) {
+                        tracing::warn!(room, "room failed: {e}");
+                    }
+                    p.remove_room(room);
+                }
+                sent.remove(&room);
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
 }

@@ -9,6 +9,9 @@ use super::{BenchConfig, Mode};
 /// Results of one bench run (JSON keys are the field names).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct BenchReport {
+    /// The prefill ran in another process (push with `--connect`): its descriptor and
+    /// planning counters are not seen here.
+    pub prefill_elsewhere: bool,
     /// Model preset.
     pub model: String,
     /// `P:D`.
@@ -99,14 +102,22 @@ impl BenchReport {
             ),
             (
                 "descriptors raw -> posted",
-                format!("{} -> {}", self.descriptors_raw, self.descriptors_posted),
+                if self.prefill_elsewhere {
+                    "counted by the prefill process".into()
+                } else {
+                    format!("{} -> {}", self.descriptors_raw, self.descriptors_posted)
+                },
             ),
             (
                 "plan / plan + post per request",
-                format!(
-                    "{:.3} ms / {:.3} ms",
-                    self.plan_ms_per_request, self.post_ms_per_request
-                ),
+                if self.prefill_elsewhere {
+                    "counted by the prefill process".into()
+                } else {
+                    format!(
+                        "{:.3} ms / {:.3} ms",
+                        self.plan_ms_per_request, self.post_ms_per_request
+                    )
+                },
             ),
             ("handshake", format!("{:.2} ms", self.handshake_ms)),
             (

@@ -42,6 +42,20 @@ pub struct Peer {
     pub health: Box<Health>,
 }
 
+/// An endpoint being closed in the background, with what must outlive it.
+pub struct Closing {
+    req: *mut c_void,
+    peer: Peer,
+    since: Instant,
+}
+
+fn destroy_keys(peer: &mut Peer) {
+    for (_, _, rkey) in peer.regions.drain(..) {
+        // SAFETY: unpacked on this peer's endpoint, which is closed; no request uses it.
+        unsafe { sys::api().ucp_rkey_destroy(rkey) };
+    }
+}
+
 /// Where a transfer is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -199,6 +213,8 @@ pub struct State {
     pub next_id: u64,
     /// True once the owning transport was dropped (registration guards may outlive it).
     pub closed: bool,
+    /// Endpoints closing in the background.
+    pub closing: Vec<Closing>,
     /// Whether endpoints are created with peer-failure handling (learned on first connect).
     pub failure_detection: Option<bool>,
     /// Health records of peers whose endpoints die with the worker.
@@ -233,6 +249,7 @@ impl State {
             closed: false,
             dead_health: Vec::new(),
             failure_detection: None,
+            closing: Vec::new(),
         };
         let param = sys::ucp_am_handler_param_t {
             field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
@@ -260,6 +277,9 @@ impl State {
     pub fn progress(&mut self) {
         self.ucp.progress();
         self.sends.retain(|x| x.pending > 0);
+        if !self.closing.is_empty() {
+            self.reap_closing();
+        }
     }
 
     /// Creates an endpoint to a worker address, with peer-failure detection where the
@@ -329,7 +349,7 @@ impl State {
     /// Closes a peer's endpoint (outstanding requests complete or fail), then destroys its
     /// keys. If UCX does not finish closing within the bound, the keys and health are
     /// leaked rather than freed under a live endpoint.
-    pub fn close_peer(&mut self, mut peer: Peer) {
+    pub fn close_peer(&mut self, mut peer: Peer, wait: bool) {
         // A healthy endpoint closes gracefully (flush, then a disconnect the peer sees);
         // forcing it over TCP trips UCX 1.13's wire-up state. A failed one is forced.
         let param = sys::ucp_request_param_t {
@@ -342,23 +362,46 @@ impl State {
             ..Default::default()
         };
         // SAFETY: the endpoint is live and closed once.
-        let closed = match classify(unsafe { sys::api().ucp_ep_close_nbx(peer.ep, &param) }) {
-            StatusPtr::Done | StatusPtr::Failed(_) => true,
-            StatusPtr::Pending(req) => self
-                .ucp
-                .wait_request(req, self.config.release_wait.min(Duration::from_secs(2))),
+        let pending = match classify(unsafe { sys::api().ucp_ep_close_nbx(peer.ep, &param) }) {
+            StatusPtr::Done | StatusPtr::Failed(_) => None,
+            StatusPtr::Pending(req) if wait => {
+                let limit = self.config.release_wait.min(Duration::from_secs(2));
+                (!self.ucp.wait_request(req, limit)).then_some(req)
+            }
+            StatusPtr::Pending(req) => Some(req),
         };
         // Let callbacks of the cancelled requests run.
         self.ucp.progress();
-        if !closed {
-            tracing::error!(peer = %peer.name, "UCX endpoint did not close in time; leaking its keys");
-            std::mem::forget(std::mem::take(&mut peer.regions));
-            std::mem::forget(peer.health);
-            return;
+        match pending {
+            None => destroy_keys(&mut peer),
+            // A peer that died without UCX noticing yet can take long to close (a restarted
+            // peer replacing it must not wait for that): finish in the background.
+            Some(req) => self.closing.push(Closing {
+                req,
+                peer,
+                since: Instant::now(),
+            }),
         }
-        for (_, _, rkey) in peer.regions.drain(..) {
-            // SAFETY: unpacked on this endpoint, no request uses it any more.
-            unsafe { sys::api().ucp_rkey_destroy(rkey) };
+    }
+
+    /// Finishes background endpoint closes; keys are destroyed once their endpoint closed.
+    fn reap_closing(&mut self) {
+        let mut i = 0;
+        while i < self.closing.len() {
+            let c = &self.closing[i];
+            // SAFETY: a live close request, freed exactly once below.
+            let status = unsafe { sys::api().ucp_request_check_status(c.req) };
+            if status == ucs_status_t::UCS_INPROGRESS {
+                if c.since.elapsed() > self.config.release_wait {
+                    tracing::warn!(peer = %c.peer.name, "UCX endpoint still closing");
+                }
+                i += 1;
+                continue;
+            }
+            let mut c = self.closing.swap_remove(i);
+            // SAFETY: finished, not yet freed.
+            unsafe { sys::api().ucp_request_free(c.req) };
+            destroy_keys(&mut c.peer);
         }
     }
 
@@ -398,7 +441,7 @@ impl State {
                 if let Some(p) = self.peers.remove(&peer) {
                     tracing::warn!(peer = %p.name, "transfer did not finish in time; closing the endpoint");
                     self.lists.retain(|_, l| l.peer != Some(peer));
-                    self.close_peer(p);
+                    self.close_peer(p, true);
                 }
                 return self.xfers.get(&id).is_none_or(|x| x.pending == 0);
             }
@@ -441,6 +484,16 @@ impl State {
             std::mem::forget(std::mem::take(&mut self.sends));
         }
         self.xfers.clear();
+        let start = Instant::now();
+        while !self.closing.is_empty() && start.elapsed() < Duration::from_millis(200) {
+            self.progress();
+        }
+        for c in std::mem::take(&mut self.closing) {
+            // Still closing: the worker's destruction ends the endpoint; its keys and health
+            // record are leaked rather than destroyed under it.
+            std::mem::forget(c.peer.regions);
+            std::mem::forget(c.peer.health);
+        }
         for (_, mut p) in self.peers.drain() {
             for (_, _, rkey) in p.regions.drain(..) {
                 // SAFETY: no request uses the key any more.

@@ -510,7 +510,7 @@ impl Transport for UcxTransport {
             // Same name: a restart or a refresh. The old endpoint, keys and lists go.
             st.lists.retain(|_, l| l.peer != Some(old));
             if let Some(p) = st.peers.remove(&old) {
-                st.close_peer(p);
+                st.close_peer(p, false);
             }
         }
         let mut health = Box::<Health>::default();
@@ -530,7 +530,7 @@ impl Transport for UcxTransport {
                 unsafe { sys::api().ucp_ep_rkey_unpack(ep, r.rkey.as_ptr().cast(), &mut rkey) };
             if status != sys::ucs_status_t::UCS_OK {
                 let text = sys::status_text(status);
-                st.close_peer(peer);
+                st.close_peer(peer, true);
                 return Err(TransportError::InvalidMetadata(format!(
                     "remote key of region {:#x}+{}: {text}",
                     r.range.addr, r.range.len
@@ -550,7 +550,7 @@ impl Transport for UcxTransport {
             .remove(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
         st.lists.retain(|_, l| l.peer != Some(peer));
-        st.close_peer(p);
+        st.close_peer(p, false);
         Ok(())
     }
 

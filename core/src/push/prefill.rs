@@ -271,6 +271,13 @@ impl<T: Transport> PushPrefill<T> {
         state_indices: Vec<u32>,
     ) {
         let now = self.clock.now();
+        // Destinations that asked before the engine added the room count now.
+        let required = self.rooms.get(&room).and_then(|r| {
+            r.dests
+                .keys()
+                .find_map(|agent| self.decodes.get(agent))
+                .and_then(|d| d.mapping.notifications_per_request(self.config.tp.0).ok())
+        });
         let r = self.rooms.entry(room).or_insert_with(|| Room::new(now));
         r.total = Some(total_pages);
         r.aux_index = aux_index;
@@ -282,12 +289,32 @@ impl<T: Transport> PushPrefill<T> {
             .collect();
         if let Some(reason) = reasons.into_iter().next() {
             r.fail(reason);
+        } else if required.is_some_and(|n| r.dests.len() >= n as usize) {
+            r.status = r.status.update(RoomStatus::WaitingForInput);
         }
     }
 
     /// Status of a room.
     pub fn status(&self, room: u64) -> Option<RoomStatus> {
         self.rooms.get(&room).map(|r| r.status)
+    }
+
+    /// Every room this rank knows, in any state.
+    pub fn known_rooms(&self) -> Vec<u64> {
+        self.rooms.keys().copied().collect()
+    }
+
+    /// Rooms a decode asked for that the engine has not added yet (the decode's request
+    /// arrived first), so an engine that learns of requests from its peers can add them.
+    pub fn requested_rooms(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.total.is_none() && !r.status.is_final() && !r.dests.is_empty())
+            .map(|(&id, _)| id)
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// Why a room failed.
@@ -421,6 +448,15 @@ impl<T: Transport> PushPrefill<T> {
         }
         let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
             .map_err(|e| e.to_string())?;
+        if self
+            .decodes
+            .get(&args.agent)
+            .is_some_and(|d| d.args == args)
+        {
+            // The same decode registering again (once per bootstrap): keep the loaded peer,
+            // whose connection transfers in flight are using.
+            return Ok(());
+        }
         let peer = self
             .transport
             .load_peer(&args.agent_metadata)
