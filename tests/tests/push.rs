@@ -495,3 +495,49 @@ fn malformed_control_messages_are_dropped_and_serving_continues() {
     );
     let _ = CacheKind::Mla;
 }
+
+/// A decode's room request may reach the prefill before its engine adds the room (a served
+/// prefill adds rooms as they are asked for): the room is listed as requested, and adding
+/// it then makes it ready; the decode registering again keeps the same peer.
+#[test]
+fn room_requested_before_the_engine_adds_it() {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 2);
+    let c = clock();
+    let mut pre = prefill(&s, "asked", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "asked", Arc::clone(&c));
+    let port = pre.registry.port();
+    for (r, d) in dec.ranks.iter_mut().enumerate() {
+        d.add_room(9, ("127.0.0.1", port), vec![r as u32 + 1], None, vec![]);
+    }
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].requested_rooms() == vec![9]
+    });
+    assert_eq!(pre.ranks[0].status(9), Some(RoomStatus::Bootstrapping));
+    pre.ranks[0].add_room(9, 1, None, vec![]);
+    assert!(pre.ranks[0].requested_rooms().is_empty());
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(9) == Some(RoomStatus::WaitingForInput)
+    });
+    // A second room from the same decodes (they register again per bootstrap).
+    for (r, d) in dec.ranks.iter_mut().enumerate() {
+        d.add_room(10, ("127.0.0.1", port), vec![r as u32 + 3], None, vec![]);
+    }
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].requested_rooms() == vec![10]
+    });
+    pre.ranks[0].add_room(10, 1, None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(10) == Some(RoomStatus::WaitingForInput)
+    });
+    pre.ranks[0].send(9, &[6]).unwrap();
+    pre.ranks[0].send(10, &[5]).unwrap();
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks.iter().all(|d| {
+            d.status(9) == Some(RoomStatus::Success) && d.status(10) == Some(RoomStatus::Success)
+        })
+    });
+    for (r, m) in dec.mem.iter().enumerate() {
+        m.kv.verify(&[(6, r as u32 + 1), (5, r as u32 + 3)])
+            .expect("bytes");
+    }
+}
