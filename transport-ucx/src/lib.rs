@@ -30,6 +30,7 @@
 use std::time::Duration;
 
 pub mod metadata;
+pub mod notification;
 
 #[cfg(feature = "ucx")]
 mod state;

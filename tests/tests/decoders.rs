@@ -1,0 +1,149 @@
+//! Every decoder of bytes that crosses a process boundary, fed arbitrary bytes and mutated
+//! valid messages: no panic, a typed refusal or a value, and re-encoding what was accepted
+//! decodes to the same value. (Size limits and allocation bounds: `decoder_allocation.rs`.)
+//!
+//! Decoders: pull handshake metadata (msgpack map), `KvTransferParams` (JSON), pull
+//! notifications, push control messages (to prefill, to/from registry, from prefill), push
+//! notifications, UCX agent metadata and UCX notifications.
+
+use kvxfer_core::pull::notify;
+use kvxfer_core::push::messages::{
+    self, FromPrefill, FromRegistry, RoomRequest, ToPrefill, ToRegistry, parse_note,
+};
+use kvxfer_core::wire::handshake::HandshakeMeta;
+use kvxfer_core::wire::params::KvTransferParams;
+use kvxfer_transport_ucx::metadata::{AgentMeta, RegionMeta};
+use kvxfer_transport_ucx::notification::{decode_notification, encode_notification};
+use proptest::prelude::*;
+
+fn handshake() -> HandshakeMeta {
+    HandshakeMeta {
+        engine_id: "prefill-0".into(),
+        agent_metadata: vec![7; 40],
+        kv_caches_base_addr: vec![0x1000, 0x2000, 0x3000],
+        num_blocks: 16,
+        tp_size: 2,
+        block_len: 4096,
+        attn_backend_name: "FLASH_ATTN".into(),
+        kvxfer_protocol: Some(1),
+        kvxfer_tp_rank: Some(1),
+        kvxfer_layout: None,
+        kvxfer_compat_digest: Some("00ff".into()),
+        kvxfer_lease_ms: Some(30_000),
+    }
+}
+
+fn ucx_meta() -> AgentMeta {
+    AgentMeta {
+        name: "decode-3".into(),
+        worker_address: vec![1; 90],
+        regions: vec![RegionMeta {
+            kind: kvxfer_core::MemoryKind::Host,
+            range: kvxfer_core::AddrRange::new(0x7f00_0000_0000, 1 << 20),
+            rkey: vec![2; 30],
+        }],
+    }
+}
+
+fn room() -> ToPrefill {
+    ToPrefill::Room(RoomRequest {
+        room: 42,
+        agent: "decode-1".into(),
+        pages: vec![3, 9, 27],
+        aux_index: Some(1),
+        state_indices: vec![4],
+    })
+}
+
+/// Runs every decoder on `bytes`; checks accepted values re-encode to themselves.
+fn decode_all(bytes: &[u8]) {
+    if let Ok(m) = HandshakeMeta::decode(bytes, 1 << 20) {
+        assert_eq!(HandshakeMeta::decode(&m.encode(), 1 << 20).unwrap(), m);
+    }
+    if let Ok(p) = KvTransferParams::from_json(bytes) {
+        let again = KvTransferParams::from_json(p.to_json().as_bytes()).unwrap();
+        assert_eq!(again, p);
+        let _ = p.remote_source();
+    }
+    let _ = notify::parse(bytes);
+    if let Ok(m) = messages::decode::<ToPrefill>(bytes, "t") {
+        assert_eq!(
+            messages::decode::<ToPrefill>(&messages::encode(&m), "t").unwrap(),
+            m
+        );
+    }
+    let _ = messages::decode::<ToRegistry>(bytes, "t");
+    let _ = messages::decode::<FromRegistry>(bytes, "t");
+    let _ = messages::decode::<FromPrefill>(bytes, "t");
+    let _ = parse_note(bytes);
+    if let Ok(m) = AgentMeta::decode(bytes) {
+        assert_eq!(AgentMeta::decode(&m.encode()).unwrap(), m);
+    }
+    if let Some(n) = decode_notification(bytes, 64 << 10) {
+        let again = decode_notification(&encode_notification(&n.from, &n.message), 64 << 10);
+        assert_eq!(again, Some(n));
+    }
+}
+
+fn mutate(mut bytes: Vec<u8>, edits: &[(usize, u8, u8)]) -> Vec<u8> {
+    for &(at, op, v) in edits {
+        if bytes.is_empty() {
+            bytes.push(v);
+            continue;
+        }
+        let i = at % bytes.len();
+        match op % 4 {
+            0 => bytes[i] = v,
+            1 => bytes[i] ^= 1 << (v % 8),
+            2 => bytes.truncate(i),
+            _ => bytes.insert(i, v),
+        }
+    }
+    bytes
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        decode_all(&bytes);
+    }
+
+    #[test]
+    fn mutated_valid_messages(
+        which in 0usize..6,
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 1..8),
+    ) {
+        let valid = match which {
+            0 => handshake().encode(),
+            1 => KvTransferParams {
+                do_remote_decode: true,
+                remote_engine_id: Some("e".into()),
+                remote_block_ids: Some(vec![1, 2, 3]),
+                remote_host: Some("10.0.0.1".into()),
+                remote_port: Some(5600),
+                ..Default::default()
+            }.to_json().into_bytes(),
+            2 => messages::encode(&room()),
+            3 => ucx_meta().encode(),
+            4 => encode_notification("prefill-1", b"42_kv_0_1_0"),
+            _ => notify::read_done("cmpl-7", 2),
+        };
+        decode_all(&mutate(valid, &edits));
+    }
+}
+
+#[test]
+fn valid_messages_decode() {
+    decode_all(&handshake().encode());
+    assert_eq!(
+        HandshakeMeta::decode(&handshake().encode(), 1 << 20).unwrap(),
+        handshake()
+    );
+    assert_eq!(
+        messages::decode::<ToPrefill>(&messages::encode(&room()), "t").unwrap(),
+        room()
+    );
+    assert_eq!(AgentMeta::decode(&ucx_meta().encode()).unwrap(), ucx_meta());
+}
