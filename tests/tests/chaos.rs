@@ -155,3 +155,102 @@ fn pull_under_random_faults() {
         "after the vanish: {outcome:?}"
     );
 }
+
+/// Push under random faults on the prefill (the writer): failed WRITEs, completions held for
+/// a random while, lost and duplicated notifications. Every room ends on both sides; a decode
+/// rank that reports success has every byte.
+#[test]
+fn push_under_random_faults() {
+    use kvxfer_core::push::RoomStatus;
+    use kvxfer_tests::push_env::{Setup, decode, prefill};
+
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 2);
+    // A room whose notification was lost ends by the decode's waiting timeout.
+    s.decode_config = |c| c.waiting_timeout = Duration::from_millis(300);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let mut pre = prefill(&s, "chaos-push", Arc::clone(&clock), None, None);
+    let mut dec = decode(&s, "chaos-push", clock);
+    let port = pre.registry.port();
+    let blocks = dec.mem[0].kv.spec.num_blocks();
+    let mut rng = Rng::new(7);
+    let (mut ok, mut failed) = (0, 0);
+    for room in 0..60u64 {
+        for m in &mut dec.mem {
+            m.kv.mem.fill(GUARD);
+        }
+        let n = rng.range(1, 6) as usize;
+        let src = distinct(&mut rng, n, blocks);
+        let dst = distinct(&mut rng, n, blocks);
+        let faults = pre.ranks[0].transport().faults();
+        let mut release_after = None;
+        match rng.range(0, 4) {
+            1 => faults.fail_next_transfers(1),
+            2 => {
+                faults.hold_completions(true);
+                release_after = Some(rng.range(1, 100) as usize);
+            }
+            3 => faults.drop_next_notifications(1),
+            4 => faults.duplicate_next_notifications(1),
+            _ => {}
+        }
+        for d in &mut dec.ranks {
+            d.add_room(room, ("127.0.0.1", port), dst.clone(), None, vec![]);
+        }
+        pre.ranks[0].add_room(room, n, None, vec![]);
+        let start = Instant::now();
+        let (mut polls, mut sent) = (0usize, false);
+        loop {
+            polls += 1;
+            if release_after == Some(polls) {
+                faults.release_held();
+            }
+            pre.ranks[0].poll();
+            for d in &mut dec.ranks {
+                d.poll();
+            }
+            if !sent && pre.ranks[0].status(room) == Some(RoomStatus::WaitingForInput) {
+                for chunk in src.chunks(2) {
+                    if pre.ranks[0].send(room, chunk).is_err() {
+                        break;
+                    }
+                }
+                sent = true;
+            }
+            let final_everywhere = pre.ranks[0].status(room).is_some_and(RoomStatus::is_final)
+                && dec
+                    .ranks
+                    .iter()
+                    .all(|d| d.status(room).is_some_and(RoomStatus::is_final));
+            if final_everywhere {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "room {room} did not end within 60 s"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst.iter().copied()).collect();
+        for (r, d) in dec.ranks.iter().enumerate() {
+            if d.status(room) == Some(RoomStatus::Success) {
+                dec.mem[r].kv.verify(&pairs).unwrap_or_else(|e| {
+                    panic!("room {room} decode rank {r} reported success: {e}")
+                });
+                ok += 1;
+            } else {
+                failed += 1;
+            }
+        }
+        faults.fail_next_transfers(0);
+        faults.release_held();
+        pre.ranks[0].remove_room(room);
+        for d in &mut dec.ranks {
+            d.remove_room(room);
+        }
+    }
+    println!("push chaos: {ok} rank-rooms succeeded, {failed} failed (reported)");
+    assert!(
+        ok > 0 && failed > 0,
+        "both outcomes exercised: {ok} ok, {failed} failed"
+    );
+}
