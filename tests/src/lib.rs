@@ -12,3 +12,4 @@ pub mod pull_env;
 pub mod push_env;
 pub mod remote;
 pub mod shared_mem;
+pub mod soak;

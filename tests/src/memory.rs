@@ -105,6 +105,11 @@ impl Buffer {
         self.data.as_slice()
     }
 
+    /// The bytes, to write (only while no transfer touches them).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.data.as_mut_slice()
+    }
+
     /// FNV-1a checksum of a sub-range.
     pub fn checksum(&self, offset: u64, len: u64) -> u64 {
         let s = &self.bytes()[offset as usize..(offset + len) as usize];
