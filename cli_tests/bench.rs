@@ -378,3 +378,69 @@ fn config_file_sets_and_flags_override() {
     assert!(err.contains("No such file"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Side-channel keys from the environment: a decode with the server's key runs; one with a
+/// different key or none is refused with a clear error (pull over UCX; skipped without it).
+#[test]
+fn side_channel_key_gates_the_two_process_run() {
+    let (_, _, probe) = kvxfer(&["bench", "--transport", "ucx", "--requests", "0"]);
+    if !probe.contains("must be positive") {
+        println!("SKIP [ucx] keyed two-process run: {}", probe.trim());
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let shape = ["--num-blocks", "8", "--tokens", "64"];
+    let key = "a secret shared by this cluster";
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args([
+            "serve",
+            "--transport",
+            "ucx",
+            "--port",
+            &port,
+            "--duration",
+            "120",
+        ])
+        .args(shape)
+        .env("KVXFER_SIDE_CHANNEL_KEY", key)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start serve");
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert!(line.contains("serving"), "{line}");
+    let connect = format!("127.0.0.1:{port}");
+    let run = |with: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvxfer"));
+        c.args(["bench", "--transport", "ucx", "--connect", &connect])
+            .args(["--requests", "1", "--warmup", "0"])
+            .args(shape)
+            .env_remove("KVXFER_SIDE_CHANNEL_KEY");
+        if let Some(k) = with {
+            c.env("KVXFER_SIDE_CHANNEL_KEY", k);
+        }
+        let o = c.output().expect("run bench");
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, out_text, err) = run(Some(key));
+    let wrong = run(Some("not the secret of this cluster"));
+    let none = run(None);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(code, 0, "{err}");
+    assert!(out_text.contains("all correct"), "{out_text}");
+    assert_ne!(wrong.0, 0, "a wrong key was let in: {}", wrong.1);
+    assert!(wrong.2.contains("authentication"), "{}", wrong.2);
+    assert_ne!(none.0, 0, "no key was let in: {}", none.1);
+    assert!(none.2.contains("authentication"), "{}", none.2);
+}

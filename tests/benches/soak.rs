@@ -33,7 +33,7 @@ fn main() {
         warmup: (transfers / 10).max(1),
         ..SoakConfig::default()
     };
-    let mut ok = print(
+    let ok = print(
         "loopback",
         &run(
             LoopbackTransport::new("soak-a").unwrap(),
@@ -54,7 +54,9 @@ fn main() {
             )
             .unwrap()
         };
-        ok &= print("ucx/sm", &run(make("soak-ua"), make("soak-ub"), &c));
+        if !print("ucx/sm", &run(make("soak-ua"), make("soak-ub"), &c)) {
+            std::process::exit(1);
+        }
     }
     if !ok {
         std::process::exit(1);

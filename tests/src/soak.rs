@@ -155,7 +155,12 @@ pub fn run<T: Transport>(mut a: T, mut b: T, c: &SoakConfig) -> SoakReport {
         // Put the guard pattern back where the copies landed.
         let bytes = to.bytes_mut();
         for &(_, d, l) in &copies {
-            for (p, b) in bytes.iter_mut().enumerate().skip(d as usize).take(l as usize) {
+            for (p, b) in bytes
+                .iter_mut()
+                .enumerate()
+                .skip(d as usize)
+                .take(l as usize)
+            {
                 *b = guard_byte(p);
             }
         }

@@ -27,6 +27,14 @@ pub enum FetchError {
         /// The timeout.
         timeout: Duration,
     },
+    /// Authentication failed: no or wrong key on one side, or an altered reply.
+    #[error("side channel to {endpoint}: {reason}")]
+    Auth {
+        /// The endpoint.
+        endpoint: String,
+        /// What failed.
+        reason: String,
+    },
     /// The reply did not decode.
     #[error("bad handshake reply from {endpoint}: {error}")]
     BadReply {
@@ -60,7 +68,8 @@ pub fn fetch_metadata(
 }
 
 /// Sends one request and waits (at most `timeout`) for the reply, refusing replies larger
-/// than `max_reply`.
+/// than `max_reply`. With a side-channel key ([`super::auth`]) the request is sealed and the
+/// reply must be sealed for it.
 pub fn request_bytes(
     host: &str,
     port: u16,
@@ -69,6 +78,19 @@ pub fn request_bytes(
     max_reply: usize,
 ) -> Result<Vec<u8>, FetchError> {
     let ep = endpoint(host, port);
+    let auth_err = |reason: String| FetchError::Auth {
+        endpoint: ep.clone(),
+        reason,
+    };
+    let key = super::auth::key().map_err(&auth_err)?;
+    let (sealed, nonce) = match &key {
+        Some(k) => {
+            let (s, n) = k.seal_request(request);
+            (Some(s), n)
+        }
+        None => (None, [0; 16]),
+    };
+    let request = sealed.as_deref().unwrap_or(request);
     let sock_err = |e: zmq::Error| FetchError::Socket {
         endpoint: ep.clone(),
         reason: e.to_string(),
@@ -94,9 +116,23 @@ pub fn request_bytes(
         Err(zmq::Error::EAGAIN) => return Err(timed_out()),
         Err(e) => return Err(sock_err(e)),
     }
-    match socket.recv_bytes(0) {
-        Ok(r) => Ok(r),
-        Err(zmq::Error::EAGAIN) => Err(timed_out()),
-        Err(e) => Err(sock_err(e)),
+    let reply = match socket.recv_bytes(0) {
+        Ok(r) => r,
+        Err(zmq::Error::EAGAIN) => return Err(timed_out()),
+        Err(e) => return Err(sock_err(e)),
+    };
+    match &key {
+        None if reply == super::auth::REFUSED_REPLY => Err(auth_err(
+            "the peer requires side-channel authentication and no key is configured".into(),
+        )),
+        None => Ok(reply),
+        Some(_) if reply == super::auth::REFUSED_REPLY => Err(auth_err(
+            "the peer refused our side-channel authentication (is the key the same on both sides?)"
+                .into(),
+        )),
+        Some(k) => k
+            .open_reply(&nonce, &reply)
+            .map(<[u8]>::to_vec)
+            .map_err(|e| auth_err(format!("reply refused: {e}"))),
     }
 }

@@ -36,6 +36,7 @@ impl Listener {
     /// of exactly `get_meta_msg` get this rank's reply, requests naming a rank get that
     /// rank's reply if this listener holds it.
     pub fn bind(host: &str, port: u16, rank: u32, reply: Vec<u8>) -> Result<Self, String> {
+        let key = super::auth::key()?;
         let (socket, port) = bind_router(host, port, MAX_REQUEST_BYTES, POLL_MS as i32)?;
         let bound = endpoint(host, port);
         let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
@@ -46,7 +47,7 @@ impl Listener {
                 (Arc::clone(&replies), Arc::clone(&stop), Arc::clone(&stats));
             std::thread::Builder::new()
                 .name(format!("kvxfer-listen-{port}"))
-                .spawn(move || serve(socket, rank, &replies, &stop, &stats))
+                .spawn(move || serve(socket, rank, key, &replies, &stop, &stats))
                 .map_err(|e| format!("cannot start listener thread: {e}"))?
         };
         tracing::debug!(%bound, rank, "side channel listening");
@@ -100,10 +101,12 @@ fn requested_rank(payload: &[u8], own: u32) -> Option<u32> {
 fn serve(
     socket: zmq::Socket,
     own: u32,
+    key: Option<super::auth::SideKey>,
     replies: &RwLock<HashMap<u32, Vec<u8>>>,
     stop: &AtomicBool,
     stats: &ListenerStats,
 ) {
+    let mut seen = super::auth::ReplayGuard::default();
     while !stop.load(Ordering::SeqCst) {
         let frames = match socket.recv_multipart(0) {
             Ok(f) => f,
@@ -123,6 +126,28 @@ fn serve(
             stats.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         }
+        // With a key, only requests sealed with it get an answer (sealed for them).
+        let mut seen_nonce = None;
+        let payload: &[u8] = match &key {
+            None => payload,
+            Some(k) => match k.open_request(payload, &mut seen) {
+                Ok((nonce, p)) => {
+                    seen_nonce = Some(nonce);
+                    p
+                }
+                Err(e) => {
+                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("side channel refused a request: {e}");
+                    let mut out: Vec<&[u8]> = vec![identity.as_slice()];
+                    if with_delimiter {
+                        out.push(b"");
+                    }
+                    out.push(super::auth::REFUSED_REPLY);
+                    let _ = socket.send_multipart(out, 0);
+                    continue;
+                }
+            },
+        };
         let reply = requested_rank(payload, own).and_then(|r| {
             replies
                 .read()
@@ -146,6 +171,10 @@ fn serve(
                 })
                 .unwrap_or_default()
             }
+        };
+        let body = match (&key, seen_nonce) {
+            (Some(k), Some(nonce)) => k.seal_reply(&nonce, &body),
+            _ => body,
         };
         let mut out: Vec<&[u8]> = vec![identity.as_slice()];
         if with_delimiter {

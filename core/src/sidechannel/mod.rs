@@ -2,6 +2,7 @@
 //! REQ client that fetches it, with a timeout on every wait. Wire-compatible with the
 //! reference pull connector (request `get_meta_msg`, reply a msgpack map).
 
+pub mod auth;
 mod client;
 mod listener;
 mod server;
