@@ -30,21 +30,27 @@ fn ip(args: &[&str]) -> Result<(), String> {
 struct Hosts {
     names: [String; 2],
     addrs: [String; 2],
+    devs: [String; 2],
 }
 
 impl Hosts {
-    fn new() -> Result<Hosts, String> {
+    /// Two hosts; `tag` (one letter) keeps tests of one process apart.
+    fn new(tag: char) -> Result<Hosts, String> {
         let id = std::process::id();
-        let names = [format!("kvxa{id}"), format!("kvxb{id}")];
-        // A /30 from 10.200.0.0/16 chosen by the pid, so parallel runs do not collide.
-        let net = (id % 16000) * 4;
+        let names = [format!("kvxa{tag}{id}"), format!("kvxb{tag}{id}")];
+        // A /30 from 10.200.0.0/16 chosen by the pid and tag, so parallel runs do not collide.
+        let net = ((id * 4 + tag as u32 % 4) % 16000) * 4;
         let addrs = [
             format!("10.200.{}.{}", net / 256, net % 256 + 1),
             format!("10.200.{}.{}", net / 256, net % 256 + 2),
         ];
-        let hosts = Hosts { names, addrs };
+        let (va, vb) = (format!("va{tag}{id}"), format!("vb{tag}{id}"));
+        let hosts = Hosts {
+            names,
+            addrs,
+            devs: [va.clone(), vb.clone()],
+        };
         let (a, b) = (&hosts.names[0], &hosts.names[1]);
-        let (va, vb) = (format!("va{id}"), format!("vb{id}"));
         ip(&["netns", "add", a])?;
         ip(&["netns", "add", b])?;
         ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
@@ -87,7 +93,7 @@ fn pull_and_push_between_two_hosts_over_ucx_tcp() {
         println!("SKIP [two hosts] UCX transport: {}", probe.trim());
         return;
     }
-    let hosts = match Hosts::new() {
+    let hosts = match Hosts::new('p') {
         Ok(h) => h,
         Err(e) => {
             println!("SKIP [two hosts] cannot create network namespaces: {e}");
@@ -137,4 +143,103 @@ fn pull_and_push_between_two_hosts_over_ucx_tcp() {
         );
         println!("{text}");
     }
+}
+
+/// The link between the hosts is cut in the middle of a long run: TCP keeps retrying and UCX
+/// does not notice, so the decode's transfer timeout (5 s here) cancels the pending READ and
+/// fails its request — the run exits with that error instead of hanging; the server
+/// survives, and once the link is back a new run is served with every byte right.
+#[test]
+fn link_cut_fails_requests_then_service_recovers() {
+    let probe = Command::new(kvxfer())
+        .args(["bench", "--transport", "ucx", "--requests", "0"])
+        .output()
+        .expect("run kvxfer");
+    let probe = String::from_utf8_lossy(&probe.stderr).into_owned();
+    if !probe.contains("must be positive") {
+        println!("SKIP [two hosts] UCX transport: {}", probe.trim());
+        return;
+    }
+    let hosts = match Hosts::new('c') {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP [two hosts] cannot create network namespaces: {e}");
+            return;
+        }
+    };
+    let port = "5610";
+    let shape = ["--num-blocks", "64", "--tokens", "512"];
+    let mut server = hosts
+        .kvxfer(
+            0,
+            &["serve", "--transport", "ucx", "--host", &hosts.addrs[0]],
+        )
+        .args(["--port", port, "--duration", "300"])
+        .args(shape)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start serve");
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert!(line.contains("serving"), "{line}");
+    let connect = format!("{}:{port}", hosts.addrs[0]);
+    let mut long = hosts
+        .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
+        .args([
+            "--requests",
+            "1000000",
+            "--warmup",
+            "1",
+            "--transfer-timeout",
+            "5",
+        ])
+        .args(shape)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the long run");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(
+        long.try_wait().unwrap().is_none(),
+        "the long run ended before the cut"
+    );
+    let cut = std::time::Instant::now();
+    ip(&["-n", &hosts.names[1], "link", "set", &hosts.devs[1], "down"]).unwrap();
+    let status = loop {
+        if let Some(s) = long.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            cut.elapsed() < std::time::Duration::from_secs(120),
+            "the decode still runs 120 s after the link was cut"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut long.stderr.take().unwrap(), &mut err).unwrap();
+    println!(
+        "after the cut: exit {status:?} in {:?}: {}",
+        cut.elapsed(),
+        err.trim()
+    );
+    assert!(
+        !status.success(),
+        "a run whose link was cut reported success"
+    );
+    ip(&["-n", &hosts.names[1], "link", "set", &hosts.devs[1], "up"]).unwrap();
+    let again = hosts
+        .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
+        .args(["--requests", "3", "--warmup", "1"])
+        .args(shape)
+        .output()
+        .expect("run again");
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&again.stdout);
+    assert!(
+        again.status.success() && text.contains("all correct"),
+        "after the link came back: {text}\n{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
 }

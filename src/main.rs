@@ -127,6 +127,10 @@ enum Command {
         /// --contiguous; a transport that crosses processes).
         #[arg(long, value_parser = parse_addr)]
         connect: Option<(String, u16)>,
+        /// Pull: seconds a READ may stay pending before it is cancelled and its request fails
+        /// (a cut link can leave transfers pending for as long as TCP retries).
+        #[arg(long, default_value_t = 30)]
+        transfer_timeout: u64,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and answers reads until Ctrl-C (or `--duration`).
@@ -305,6 +309,7 @@ fn main() -> ExitCode {
                 },
                 seed,
                 connect: None,
+                transfer_timeout: std::time::Duration::from_secs(30),
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = std::sync::Arc::clone(&stop);
@@ -348,6 +353,7 @@ fn main() -> ExitCode {
             sweep,
             chart,
             connect,
+            transfer_timeout,
         } => {
             let config = BenchConfig {
                 model,
@@ -373,6 +379,7 @@ fn main() -> ExitCode {
                 },
                 seed,
                 connect,
+                transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
             };
             match sweep {
                 None => bench(&config, json),

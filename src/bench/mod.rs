@@ -75,6 +75,8 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Decode only: pull from a prefill served by `kvxfer serve` at this side channel.
     pub connect: Option<(String, u16)>,
+    /// Pull: a READ pending longer than this is cancelled and its request failed.
+    pub transfer_timeout: Duration,
 }
 
 /// Why a bench could not run or failed.
@@ -215,6 +217,7 @@ fn side(
             let mut cfg = PullConfig::new(name, r, tp);
             cfg.side_channel_port = base;
             cfg.side_channel_host = host.to_string();
+            cfg.transfer_timeout = c.transfer_timeout;
             let kv = ranks[r as usize].kv(&c.model);
             let transport = open(c.transport, &format!("{name}-{r}"))?;
             match PullWorker::new(transport, cfg, kv, clock.clone()) {

@@ -585,3 +585,46 @@ fn per_layer_windows_move_only_the_last_blocks() {
         "K and V: 1 block in layer 0, 3 in layer 1"
     );
 }
+
+/// A READ that never completes (a cut link: TCP keeps retrying) is cancelled after
+/// `transfer_timeout` and its load reported failed with its blocks; not a moment before.
+#[test]
+fn stuck_transfer_times_out_and_fails_the_load() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let tune = |cfg: &mut PullConfig| cfg.transfer_timeout = std::time::Duration::from_secs(10);
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let mut pre = engine("stuck-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    let mut dec = engine("stuck-D", &model, 1, false, c, &lb, &tune);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    let params = pre.finish_prefill("r", &[1, 2]);
+    dec.start_load("r", &params, &[5, 6], 8);
+    let start = std::time::Instant::now();
+    while dec.workers[0].transport().open_transfers() == 0 {
+        let f = dec.poll();
+        assert!(f[0].recving.is_empty() && f[0].failed.is_empty());
+        assert!(start.elapsed().as_secs() < 60, "the READ was never posted");
+        std::thread::yield_now();
+    }
+    manual.advance(std::time::Duration::from_secs(9));
+    for _ in 0..20 {
+        let f = dec.poll();
+        assert!(f[0].failed.is_empty(), "failed before the timeout");
+    }
+    manual.advance(std::time::Duration::from_secs(2));
+    let f = dec.poll();
+    assert_eq!(f[0].failed.len(), 1, "{:?}", f[0]);
+    assert_eq!(f[0].failed[0].invalid_blocks, vec![5, 6]);
+    assert!(
+        f[0].failed[0].reason.contains("no completion"),
+        "{}",
+        f[0].failed[0].reason
+    );
+    assert_eq!(
+        dec.workers[0].transport().open_transfers(),
+        0,
+        "the stuck READ was released"
+    );
+    faults.release_held();
+}

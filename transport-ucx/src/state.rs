@@ -327,12 +327,19 @@ impl State {
     /// Closes a peer's endpoint (outstanding requests complete or fail), then destroys its
     /// keys. If UCX does not finish closing within the bound, the keys and health are
     /// leaked rather than freed under a live endpoint.
-    pub fn close_peer(&mut self, mut peer: Peer, wait: bool) {
+    pub fn close_peer(&mut self, peer: Peer, wait: bool) {
+        self.close_peer_with(peer, wait, false)
+    }
+
+    /// Like [`State::close_peer`]; `force` cancels outstanding requests at once (for
+    /// transfers that will not finish: a dead link UCX has not noticed).
+    pub fn close_peer_with(&mut self, mut peer: Peer, wait: bool, force: bool) {
         // A healthy endpoint closes gracefully (flush, then a disconnect the peer sees);
-        // forcing it over TCP trips UCX 1.13's wire-up state. A failed one is forced.
+        // forcing a healthy one over TCP trips UCX 1.13's wire-up state. A failed or stuck
+        // one is forced.
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS,
-            flags: if peer.health.error.is_some() {
+            flags: if force || peer.health.error.is_some() {
                 sys::ucp_ep_close_flags_t_UCP_EP_CLOSE_FLAG_FORCE
             } else {
                 0
@@ -419,7 +426,7 @@ impl State {
                 if let Some(p) = self.peers.remove(&peer) {
                     tracing::warn!(peer = %p.name, "transfer did not finish in time; closing the endpoint");
                     self.lists.retain(|_, l| l.peer != Some(peer));
-                    self.close_peer(p, true);
+                    self.close_peer_with(p, true, true);
                 }
                 return self.xfers.get(&id).is_none_or(|x| x.pending == 0);
             }

@@ -72,6 +72,9 @@ pub struct PullConfig {
     pub lease: Duration,
     /// How often the decode renews leases of requests it waits for.
     pub heartbeat_interval: Duration,
+    /// A READ still in progress after this long is cancelled and its load reported failed
+    /// (a cut link can leave a transfer pending for as long as TCP retries).
+    pub transfer_timeout: Duration,
     /// What engines should do with failed loads.
     pub failure_policy: FailurePolicy,
     /// Refuse peers whose layout is incompatible (on by default).
@@ -94,6 +97,7 @@ impl PullConfig {
             max_handshake_bytes: MAX_HANDSHAKE_BYTES,
             lease,
             heartbeat_interval: lease / 6,
+            transfer_timeout: Duration::from_secs(30),
             failure_policy: FailurePolicy::Fail,
             enforce_compat: true,
         }

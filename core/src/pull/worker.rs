@@ -594,6 +594,18 @@ impl<T: Transport> PullWorker<T> {
             let mut still = Vec::with_capacity(load.xfers.len());
             for &(x, posted) in &load.xfers {
                 match self.transport.status(x) {
+                    Ok(XferStatus::InProgress)
+                        if now.saturating_sub(posted) > self.config.transfer_timeout =>
+                    {
+                        // Cancel before reporting: nothing may land in the blocks after the
+                        // engine hears they are invalid. Release is bounded by the transport.
+                        self.metrics.failed_transfers += 1;
+                        load.failed.get_or_insert(format!(
+                            "no completion within {:?}",
+                            self.config.transfer_timeout
+                        ));
+                        let _ = self.transport.release(x);
+                    }
                     Ok(XferStatus::InProgress) => still.push((x, posted)),
                     Ok(XferStatus::Done) => {
                         self.metrics.transfer_time += now.saturating_sub(posted);
