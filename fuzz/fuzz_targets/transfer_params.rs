@@ -6,6 +6,9 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     if let Ok(p) = KvTransferParams::from_json(data) {
         let _ = p.remote_source();
-        assert_eq!(KvTransferParams::from_json(p.to_json().as_bytes()).unwrap(), p);
+        assert_eq!(
+            KvTransferParams::from_json(p.to_json().as_bytes()).unwrap(),
+            p
+        );
     }
 });
