@@ -515,6 +515,9 @@ fn heartbeats_keep_the_lease_while_decode_loads() {
     let tune = |cfg: &mut PullConfig| {
         cfg.lease = std::time::Duration::from_secs(30);
         cfg.heartbeat_interval = std::time::Duration::from_secs(5);
+        // The held READ stays pending for two minutes here: longer than the default
+        // transfer timeout, which is not what this test is about.
+        cfg.transfer_timeout = std::time::Duration::from_secs(600);
     };
     let mut pre = engine("hb-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
     let mut dec = engine("hb-D", &model, 1, false, c, &lb, &tune);
