@@ -143,15 +143,7 @@ impl LoopbackTransport {
     }
 
     fn check_count(&self, what: &'static str, count: usize) -> TransportResult<()> {
-        if count > self.config.max_descriptors {
-            Err(TransportError::TooLarge {
-                what,
-                count,
-                limit: self.config.max_descriptors,
-            })
-        } else {
-            Ok(())
-        }
+        checks::within(what, count, self.config.max_descriptors)
     }
 
     /// Distinct local regions containing `ranges`, or the first range outside them.
@@ -316,14 +308,11 @@ impl LoopbackTransport {
     }
 
     fn check_notification(&self, message: &[u8]) -> TransportResult<()> {
-        if message.len() > self.config.max_notification_len {
-            return Err(TransportError::TooLarge {
-                what: "notification bytes",
-                count: message.len(),
-                limit: self.config.max_notification_len,
-            });
-        }
-        Ok(())
+        checks::within(
+            "notification bytes",
+            message.len(),
+            self.config.max_notification_len,
+        )
     }
 }
 

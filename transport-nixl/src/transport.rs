@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvxfer_core::transport::checks::{PreparedList, check_pairs, resolve_indexed};
+use kvxfer_core::transport::checks::{PreparedLists, check_pairs, within};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -151,7 +151,7 @@ pub struct NixlTransport {
     config: NixlConfig,
     regions: Arc<Regions>,
     peers: HashMap<PeerId, Peer>,
-    lists: HashMap<DescListId, PreparedList>,
+    lists: PreparedLists,
     xfers: HashMap<XferId, Xfer>,
     next_id: u64,
 }
@@ -212,7 +212,7 @@ impl NixlTransport {
             config,
             regions: Arc::default(),
             peers: HashMap::new(),
-            lists: HashMap::new(),
+            lists: PreparedLists::default(),
             xfers: HashMap::new(),
             next_id: 1,
         })
@@ -224,14 +224,7 @@ impl NixlTransport {
     }
 
     fn check_count(&self, what: &'static str, count: usize) -> TransportResult<()> {
-        if count > self.config.max_descriptors {
-            return Err(TransportError::TooLarge {
-                what,
-                count,
-                limit: self.config.max_descriptors,
-            });
-        }
-        Ok(())
+        within(what, count, self.config.max_descriptors)
     }
 
     fn check_local(&self, kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<()> {
@@ -280,13 +273,11 @@ impl NixlTransport {
         args.add_backend(&self.backend)
             .map_err(|e| backend_err("options", e))?;
         if let Some(n) = notification {
-            if n.len() > self.config.max_notification_len {
-                return Err(TransportError::TooLarge {
-                    what: "notification bytes",
-                    count: n.len(),
-                    limit: self.config.max_notification_len,
-                });
-            }
+            within(
+                "notification bytes",
+                n.len(),
+                self.config.max_notification_len,
+            )?;
             args.set_notification_message(n)
                 .map_err(|e| backend_err("notification", e))?;
             args.set_has_notification(true)
@@ -520,7 +511,7 @@ impl Transport for NixlTransport {
             .peers
             .remove(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
-        self.lists.retain(|_, l| l.peer != Some(peer));
+        self.lists.forget_peer(peer);
         let _ = self.agent.invalidate_remote_md(&p.name);
         Ok(())
     }
@@ -533,15 +524,7 @@ impl Transport for NixlTransport {
         self.check_count("descriptors in list", ranges.len())?;
         self.check_local(kind, ranges)?;
         let id = DescListId(self.next());
-        self.lists.insert(
-            id,
-            PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: None,
-            },
-        );
-        Ok(id)
+        Ok(self.lists.insert(id, kind, ranges, None))
     }
 
     fn prepare_remote(
@@ -553,22 +536,11 @@ impl Transport for NixlTransport {
         self.check_count("descriptors in list", ranges.len())?;
         self.check_remote(peer, kind, ranges)?;
         let id = DescListId(self.next());
-        self.lists.insert(
-            id,
-            PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: Some(peer),
-            },
-        );
-        Ok(id)
+        Ok(self.lists.insert(id, kind, ranges, Some(peer)))
     }
 
     fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
-        self.lists
-            .remove(&list)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownList(list))
+        self.lists.release(list)
     }
 
     fn post_indexed(
@@ -580,12 +552,9 @@ impl Transport for NixlTransport {
         remote_idx: &[u32],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        let lists = &self.lists;
-        let x = resolve_indexed(
-            |id| lists.get(&id),
-            (local, local_idx),
-            (remote, remote_idx),
-        )?;
+        let x = self
+            .lists
+            .resolve((local, local_idx), (remote, remote_idx))?;
         self.post(op, x.peer, x.kinds, &x.local, &x.remote, notification)
     }
 
@@ -636,13 +605,11 @@ impl Transport for NixlTransport {
     }
 
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
-        if message.len() > self.config.max_notification_len {
-            return Err(TransportError::TooLarge {
-                what: "notification bytes",
-                count: message.len(),
-                limit: self.config.max_notification_len,
-            });
-        }
+        within(
+            "notification bytes",
+            message.len(),
+            self.config.max_notification_len,
+        )?;
         let p = self
             .peers
             .get(&peer)

@@ -8,8 +8,8 @@ use std::ffi::c_void;
 use std::ptr;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::transport::checks::PreparedList;
-use kvxfer_core::{AddrRange, DescListId, MemoryKind, Notification, PeerId, XferId};
+use kvxfer_core::transport::checks::PreparedLists;
+use kvxfer_core::{AddrRange, MemoryKind, Notification, PeerId, XferId};
 
 use crate::UcxConfig;
 pub use crate::notification::{decode_notification, encode_notification};
@@ -182,7 +182,7 @@ pub struct State {
     pub config: UcxConfig,
     pub regions: BTreeMap<u64, LocalRegion>,
     pub peers: HashMap<PeerId, Peer>,
-    pub lists: HashMap<DescListId, PreparedList>,
+    pub lists: PreparedLists,
     pub xfers: HashMap<XferId, Box<Xfer>>,
     /// Standalone notifications still being sent (boxed: callbacks hold their address).
     #[allow(clippy::vec_box)]
@@ -219,7 +219,7 @@ impl State {
             config,
             regions: BTreeMap::new(),
             peers: HashMap::new(),
-            lists: HashMap::new(),
+            lists: PreparedLists::default(),
             xfers: HashMap::new(),
             sends: Vec::new(),
             inbox,
@@ -425,7 +425,7 @@ impl State {
                 let peer = x.peer;
                 if let Some(p) = self.peers.remove(&peer) {
                     tracing::warn!(peer = %p.name, "transfer did not finish in time; closing the endpoint");
-                    self.lists.retain(|_, l| l.peer != Some(peer));
+                    self.lists.forget_peer(peer);
                     self.close_peer_with(p, true, true);
                 }
                 return self.xfers.get(&id).is_none_or(|x| x.pending == 0);

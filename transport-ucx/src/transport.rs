@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::transport::checks::{PreparedList, check_pairs, resolve_indexed};
+use kvxfer_core::transport::checks::{check_pairs, within};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -266,25 +266,15 @@ fn check_remote(
 }
 
 fn check_count(st: &State, what: &'static str, count: usize) -> TransportResult<()> {
-    if count > st.config.max_descriptors {
-        return Err(TransportError::TooLarge {
-            what,
-            count,
-            limit: st.config.max_descriptors,
-        });
-    }
-    Ok(())
+    within(what, count, st.config.max_descriptors)
 }
 
 fn check_notification(st: &State, n: &[u8]) -> TransportResult<()> {
-    if n.len() > st.config.max_notification_len {
-        return Err(TransportError::TooLarge {
-            what: "notification bytes",
-            count: n.len(),
-            limit: st.config.max_notification_len,
-        });
-    }
-    Ok(())
+    within(
+        "notification bytes",
+        n.len(),
+        st.config.max_notification_len,
+    )
 }
 
 fn mem_type(kind: MemoryKind) -> sys::ucs_memory_type_t {
@@ -508,7 +498,7 @@ impl Transport for UcxTransport {
             .map(|(id, _)| *id)
         {
             // Same name: a restart or a refresh. The old endpoint, keys and lists go.
-            st.lists.retain(|_, l| l.peer != Some(old));
+            st.lists.forget_peer(old);
             if let Some(p) = st.peers.remove(&old) {
                 st.close_peer(p, false);
             }
@@ -549,7 +539,7 @@ impl Transport for UcxTransport {
             .peers
             .remove(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
-        st.lists.retain(|_, l| l.peer != Some(peer));
+        st.lists.forget_peer(peer);
         st.close_peer(p, false);
         Ok(())
     }
@@ -563,15 +553,7 @@ impl Transport for UcxTransport {
         check_count(&st, "descriptors in list", ranges.len())?;
         check_local(&st, kind, ranges)?;
         let id = DescListId(st.next());
-        st.lists.insert(
-            id,
-            PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: None,
-            },
-        );
-        Ok(id)
+        Ok(st.lists.insert(id, kind, ranges, None))
     }
 
     fn prepare_remote(
@@ -584,23 +566,11 @@ impl Transport for UcxTransport {
         check_count(&st, "descriptors in list", ranges.len())?;
         check_remote(&st, peer, kind, ranges)?;
         let id = DescListId(st.next());
-        st.lists.insert(
-            id,
-            PreparedList {
-                kind,
-                ranges: ranges.to_vec(),
-                peer: Some(peer),
-            },
-        );
-        Ok(id)
+        Ok(st.lists.insert(id, kind, ranges, Some(peer)))
     }
 
     fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
-        self.lock()
-            .lists
-            .remove(&list)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownList(list))
+        self.lock().lists.release(list)
     }
 
     fn post_indexed(
@@ -614,12 +584,7 @@ impl Transport for UcxTransport {
     ) -> TransportResult<XferId> {
         self.shared.owner_polls();
         let mut st = self.lock();
-        let lists = &st.lists;
-        let x = resolve_indexed(
-            |id| lists.get(&id),
-            (local, local_idx),
-            (remote, remote_idx),
-        )?;
+        let x = st.lists.resolve((local, local_idx), (remote, remote_idx))?;
         Self::submit(
             &mut st,
             op,

@@ -1,6 +1,68 @@
 //! Checks every transport applies the same way before building a transfer.
 
+use std::collections::HashMap;
+
 use super::{AddrRange, DescListId, MemoryKind, PeerId, TransportError, TransportResult};
+
+/// `TooLarge` when `count` exceeds `limit` (descriptors per list or transfer, notification
+/// bytes, …).
+pub fn within(what: &'static str, count: usize, limit: usize) -> TransportResult<()> {
+    if count > limit {
+        return Err(TransportError::TooLarge { what, count, limit });
+    }
+    Ok(())
+}
+
+/// An agent's prepared lists: what `prepare_*`, `release_list`, `post_indexed` and peer
+/// removal share. Ids come from the transport (one counter for all its ids).
+#[derive(Debug, Default)]
+pub struct PreparedLists(HashMap<DescListId, PreparedList>);
+
+impl PreparedLists {
+    /// Stores a list already checked by the transport under `id`.
+    pub fn insert(
+        &mut self,
+        id: DescListId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+        peer: Option<PeerId>,
+    ) -> DescListId {
+        let list = PreparedList {
+            kind,
+            ranges: ranges.to_vec(),
+            peer,
+        };
+        self.0.insert(id, list);
+        id
+    }
+
+    /// Releases a list, or `UnknownList`.
+    pub fn release(&mut self, id: DescListId) -> TransportResult<()> {
+        self.0
+            .remove(&id)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownList(id))
+    }
+
+    /// Drops every list prepared for `peer` (removed or replaced).
+    pub fn forget_peer(&mut self, peer: PeerId) {
+        self.0.retain(|_, l| l.peer != Some(peer));
+    }
+
+    /// Drops every list.
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// [`resolve_indexed`] against these lists.
+    pub fn resolve(
+        &self,
+        local: (DescListId, &[u32]),
+        remote: (DescListId, &[u32]),
+    ) -> TransportResult<Indexed> {
+        resolve_indexed(|id| self.0.get(&id), local, remote)
+    }
+}
 
 /// A prepared descriptor list as transports keep it: local (`peer == None`) or a peer's.
 #[derive(Debug, Clone)]
