@@ -14,6 +14,41 @@ fn kvxfer(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// Whether this build and machine can run `transport` (an argument check is reached);
+/// otherwise prints the skip for `what` and returns false.
+fn runnable(transport: &str, what: &str) -> bool {
+    let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
+    let ok = probe.contains("must be positive");
+    if !ok {
+        println!("SKIP [{transport}] {what}: {}", probe.trim());
+    }
+    ok
+}
+
+/// `kvxfer serve` over `transport` on a free port, returned once it says it is serving.
+fn spawn_serve(transport: &str, args: &[&str], key: Option<&str>) -> (std::process::Child, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvxfer"));
+    cmd.args(["serve", "--transport", transport, "--port", &port])
+        .args(["--duration", "120"])
+        .args(args)
+        .stdout(std::process::Stdio::piped());
+    if let Some(k) = key {
+        cmd.env("KVXFER_SIDE_CHANNEL_KEY", k);
+    }
+    let mut server = cmd.spawn().expect("start serve");
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert!(line.contains("serving"), "{line}");
+    (server, port)
+}
+
 const SMALL: &[&str] = &[
     "bench",
     "--num-blocks",
@@ -136,9 +171,7 @@ fn bench_errors_are_clear() {
 /// Pull and push end to end over `transport` (host memory), bytes verified, when this build
 /// has the transport and its runtime; otherwise the skip is printed.
 fn bench_pull_and_push_over(transport: &str) {
-    let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
-    if !probe.contains("must be positive") {
-        println!("SKIP [{transport}] bench scenarios: {}", probe.trim());
+    if !runnable(transport, "bench scenarios") {
         return;
     }
     for (mode, tp, order) in [
@@ -241,17 +274,9 @@ fn serve_and_bench_in_two_processes(transport: &str) {
 }
 
 fn serve_and_bench(transport: &str, mode: &str) {
-    let (_, _, probe) = kvxfer(&["bench", "--transport", transport, "--requests", "0"]);
-    if !probe.contains("must be positive") {
-        println!("SKIP [{transport}] two-process run: {}", probe.trim());
+    if !runnable(transport, "two-process run") {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
     // Push: both sides derive the source blocks from tokens and seed, so they take the same.
     let shape = [
         "--num-blocks",
@@ -263,25 +288,7 @@ fn serve_and_bench(transport: &str, mode: &str) {
         "--tokens",
         "64",
     ];
-    let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
-        .args([
-            "serve",
-            "--transport",
-            transport,
-            "--port",
-            &port,
-            "--duration",
-            "120",
-        ])
-        .args(shape)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start serve");
-    // Wait until the server says it is listening.
-    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    assert!(line.contains("serving"), "{line}");
+    let (mut server, port) = spawn_serve(transport, &shape, None);
     let connect = format!("127.0.0.1:{port}");
     let mut args = vec![
         "bench",
@@ -383,38 +390,12 @@ fn config_file_sets_and_flags_override() {
 /// different key or none is refused with a clear error (pull over UCX; skipped without it).
 #[test]
 fn side_channel_key_gates_the_two_process_run() {
-    let (_, _, probe) = kvxfer(&["bench", "--transport", "ucx", "--requests", "0"]);
-    if !probe.contains("must be positive") {
-        println!("SKIP [ucx] keyed two-process run: {}", probe.trim());
+    if !runnable("ucx", "keyed two-process run") {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
     let shape = ["--num-blocks", "8", "--tokens", "64"];
     let key = "a secret shared by this cluster";
-    let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
-        .args([
-            "serve",
-            "--transport",
-            "ucx",
-            "--port",
-            &port,
-            "--duration",
-            "120",
-        ])
-        .args(shape)
-        .env("KVXFER_SIDE_CHANNEL_KEY", key)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start serve");
-    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    assert!(line.contains("serving"), "{line}");
+    let (mut server, port) = spawn_serve("ucx", &shape, Some(key));
     let connect = format!("127.0.0.1:{port}");
     let run = |with: Option<&str>| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_kvxfer"));

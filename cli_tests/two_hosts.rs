@@ -74,6 +74,44 @@ impl Hosts {
     }
 }
 
+impl Hosts {
+    /// `kvxfer serve` over UCX in host 0 on `port`, returned once it says it is serving.
+    fn serve(&self, port: &str, shape: &[&str]) -> std::process::Child {
+        let mut server = self
+            .kvxfer(
+                0,
+                &["serve", "--transport", "ucx", "--host", &self.addrs[0]],
+            )
+            .args(["--port", port, "--duration", "300"])
+            .args(shape)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start serve");
+        let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(line.contains("serving"), "{line}");
+        server
+    }
+}
+
+/// Two hosts for a UCX test, or `None` (the reason printed) when this build lacks UCX or
+/// namespaces cannot be made here.
+fn ucx_hosts(tag: char) -> Option<Hosts> {
+    let probe = Command::new(kvxfer())
+        .args(["bench", "--transport", "ucx", "--requests", "0"])
+        .output()
+        .expect("run kvxfer");
+    let probe = String::from_utf8_lossy(&probe.stderr).into_owned();
+    if !probe.contains("must be positive") {
+        println!("SKIP [two hosts] UCX transport: {}", probe.trim());
+        return None;
+    }
+    Hosts::new(tag)
+        .map_err(|e| println!("SKIP [two hosts] cannot create network namespaces: {e}"))
+        .ok()
+}
+
 impl Drop for Hosts {
     fn drop(&mut self) {
         for n in &self.names {
@@ -84,21 +122,8 @@ impl Drop for Hosts {
 
 #[test]
 fn pull_and_push_between_two_hosts_over_ucx_tcp() {
-    let probe = Command::new(kvxfer())
-        .args(["bench", "--transport", "ucx", "--requests", "0"])
-        .output()
-        .expect("run kvxfer");
-    let probe = String::from_utf8_lossy(&probe.stderr).into_owned();
-    if !probe.contains("must be positive") {
-        println!("SKIP [two hosts] UCX transport: {}", probe.trim());
+    let Some(hosts) = ucx_hosts('p') else {
         return;
-    }
-    let hosts = match Hosts::new('p') {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP [two hosts] cannot create network namespaces: {e}");
-            return;
-        }
     };
     for (mode, port) in [("pull", "5600"), ("push", "5601")] {
         // Push: both sides derive the source blocks from tokens and seed.
@@ -112,20 +137,7 @@ fn pull_and_push_between_two_hosts_over_ucx_tcp() {
             "--tokens",
             "64",
         ];
-        let mut server = hosts
-            .kvxfer(
-                0,
-                &["serve", "--transport", "ucx", "--host", &hosts.addrs[0]],
-            )
-            .args(["--port", port, "--duration", "120"])
-            .args(shape)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start serve");
-        let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-        assert!(line.contains("serving"), "{line}");
+        let mut server = hosts.serve(port, &shape);
         let connect = format!("{}:{port}", hosts.addrs[0]);
         let bench = hosts
             .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
@@ -151,38 +163,12 @@ fn pull_and_push_between_two_hosts_over_ucx_tcp() {
 /// survives, and once the link is back a new run is served with every byte right.
 #[test]
 fn link_cut_fails_requests_then_service_recovers() {
-    let probe = Command::new(kvxfer())
-        .args(["bench", "--transport", "ucx", "--requests", "0"])
-        .output()
-        .expect("run kvxfer");
-    let probe = String::from_utf8_lossy(&probe.stderr).into_owned();
-    if !probe.contains("must be positive") {
-        println!("SKIP [two hosts] UCX transport: {}", probe.trim());
+    let Some(hosts) = ucx_hosts('c') else {
         return;
-    }
-    let hosts = match Hosts::new('c') {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP [two hosts] cannot create network namespaces: {e}");
-            return;
-        }
     };
     let port = "5610";
     let shape = ["--num-blocks", "64", "--tokens", "512"];
-    let mut server = hosts
-        .kvxfer(
-            0,
-            &["serve", "--transport", "ucx", "--host", &hosts.addrs[0]],
-        )
-        .args(["--port", port, "--duration", "300"])
-        .args(shape)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start serve");
-    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    assert!(line.contains("serving"), "{line}");
+    let mut server = hosts.serve(port, &shape);
     let connect = format!("{}:{port}", hosts.addrs[0]);
     let mut long = hosts
         .kvxfer(1, &["bench", "--transport", "ucx", "--connect", &connect])
