@@ -81,6 +81,23 @@ pub struct Xfer {
 }
 
 impl Xfer {
+    /// A transfer with nothing outstanding yet, boxed: callbacks hold its address.
+    pub fn new(
+        peer: PeerId,
+        phase: Phase,
+        notification: Option<Vec<u8>>,
+        regions: Vec<u64>,
+    ) -> Box<Xfer> {
+        Box::new(Xfer {
+            peer,
+            pending: 0,
+            error: None,
+            phase,
+            notification,
+            regions,
+        })
+    }
+
     /// Counts the result of one `_nbx` call.
     pub fn account(&mut self, ptr: sys::ucs_status_ptr_t) {
         match classify(ptr) {

@@ -317,19 +317,12 @@ impl UcxTransport {
         let (regions, memhs) = check_local(st, kinds.0, local)?;
         let keys = check_remote(st, peer, kinds.1, remote)?;
         let id = XferId(st.next());
-        let name = st.name.clone();
+        let note = notification.map(|n| encode_notification(&st.name, n));
         let p = st
             .peers
             .get(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
-        let mut x = Box::new(Xfer {
-            peer,
-            pending: 0,
-            error: None,
-            phase: Phase::Data,
-            notification: notification.map(|n| encode_notification(&name, n)),
-            regions,
-        });
+        let mut x = Xfer::new(peer, Phase::Data, note, regions);
         if let Some(e) = &p.health.error {
             x.error = Some(format!("peer {:?} is unreachable: {e}", p.name));
         } else {
@@ -661,7 +654,7 @@ impl Transport for UcxTransport {
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
         let mut st = self.lock();
         check_notification(&st, message)?;
-        let name = st.name.clone();
+        let note = encode_notification(&st.name, message);
         let p = st
             .peers
             .get(&peer)
@@ -669,14 +662,7 @@ impl Transport for UcxTransport {
         if let Some(e) = &p.health.error {
             return Err(TransportError::PeerGone(format!("{}: {e}", p.name)));
         }
-        let mut x = Box::new(Xfer {
-            peer,
-            pending: 0,
-            error: None,
-            phase: Phase::Notify,
-            notification: Some(encode_notification(&name, message)),
-            regions: Vec::new(),
-        });
+        let mut x = Xfer::new(peer, Phase::Notify, Some(note), Vec::new());
         send_notification_am(p.ep, &mut x);
         if let Some(e) = x.error.take() {
             return Err(TransportError::Backend(e));
