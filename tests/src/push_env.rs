@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::MemoryKind;
 use kvxfer_core::clock::Clock;
 use kvxfer_core::pull::KvCache;
 use kvxfer_core::push::messages::BufferWire;
@@ -13,9 +12,12 @@ use kvxfer_core::push::{
     BootstrapRegistry, PushBuffers, PushDecode, PushDecodeConfig, PushPrefill, PushPrefillConfig,
     RoomStatus, StateKind,
 };
+use kvxfer_core::{MemoryKind, Transport};
 use kvxfer_layout::{PpSplit, Side, TpMapping};
 use kvxfer_transport_loopback::LoopbackTransport;
 
+use crate::conformance::TransportFactory;
+use crate::loopback::Loopback;
 use crate::pull_env::{GUARD, Model, RankCache};
 
 /// Items per aux/state buffer and bytes per item.
@@ -151,36 +153,37 @@ impl Setup {
 }
 
 /// The prefill side: registry, ranks (tp-major within each stage), memory.
-pub struct PrefillSide {
+pub struct PrefillSide<T: Transport = LoopbackTransport> {
     /// Workers, index `pp * p + tp`.
-    pub ranks: Vec<PushPrefill<LoopbackTransport>>,
+    pub ranks: Vec<PushPrefill<T>>,
     /// Their memory.
     pub mem: Vec<RankMem>,
     /// The registry (dropped last of the workers' peers).
     pub registry: BootstrapRegistry,
 }
 
-impl Drop for PrefillSide {
+impl<T: Transport> Drop for PrefillSide<T> {
     fn drop(&mut self) {
         self.ranks.clear();
     }
 }
 
 /// The decode side.
-pub struct DecodeSide {
+pub struct DecodeSide<T: Transport = LoopbackTransport> {
     /// Workers by TP rank.
-    pub ranks: Vec<PushDecode<LoopbackTransport>>,
+    pub ranks: Vec<PushDecode<T>>,
     /// Their memory.
     pub mem: Vec<RankMem>,
 }
 
-impl Drop for DecodeSide {
+impl<T: Transport> Drop for DecodeSide<T> {
     fn drop(&mut self) {
         self.ranks.clear();
     }
 }
 
-/// Starts a registry and the prefill ranks (all of them, or only `only` ranks).
+/// Starts a registry and the prefill ranks (all of them, or only `only` ranks) on the
+/// loopback.
 pub fn prefill(
     s: &Setup,
     name: &str,
@@ -188,6 +191,24 @@ pub fn prefill(
     registry: Option<BootstrapRegistry>,
     only: Option<usize>,
 ) -> PrefillSide {
+    prefill_on(&Loopback, s, name, clock, registry, only)
+}
+
+/// Starts the decode ranks on the loopback.
+pub fn decode(s: &Setup, name: &str, clock: Arc<dyn Clock>) -> DecodeSide {
+    decode_on(&Loopback, s, name, clock)
+}
+
+/// Starts a registry and the prefill ranks (all of them, or only `only` ranks), one agent
+/// of `f` each.
+pub fn prefill_on<F: TransportFactory>(
+    f: &F,
+    s: &Setup,
+    name: &str,
+    clock: Arc<dyn Clock>,
+    registry: Option<BootstrapRegistry>,
+    only: Option<usize>,
+) -> PrefillSide<F::T> {
     let registry =
         registry.unwrap_or_else(|| BootstrapRegistry::bind("127.0.0.1", 0).expect("registry"));
     let split = PpSplit::from_sizes(&s.stages).expect("stages");
@@ -222,7 +243,7 @@ pub fn prefill(
             request_timeout: Duration::from_secs(5),
         };
         (s.prefill_config)(&mut cfg);
-        let t = LoopbackTransport::new(&format!("{name}-p{pp}-{tp}")).expect("agent");
+        let t = f.create(&format!("{name}-p{pp}-{tp}"));
         ranks.push(
             PushPrefill::new(
                 t,
@@ -240,8 +261,13 @@ pub fn prefill(
     }
 }
 
-/// Starts the decode ranks.
-pub fn decode(s: &Setup, name: &str, clock: Arc<dyn Clock>) -> DecodeSide {
+/// Starts the decode ranks, one agent of `f` each.
+pub fn decode_on<F: TransportFactory>(
+    f: &F,
+    s: &Setup,
+    name: &str,
+    clock: Arc<dyn Clock>,
+) -> DecodeSide<F::T> {
     let mapping = TpMapping::new(s.d, s.d, s.model.sharding()).expect("tp");
     let mut mem: Vec<RankMem> = (0..s.d)
         .map(|tp| {
@@ -260,7 +286,7 @@ pub fn decode(s: &Setup, name: &str, clock: Arc<dyn Clock>) -> DecodeSide {
             let mut cfg = PushDecodeConfig::new(tp as u32, s.d);
             cfg.request_timeout = Duration::from_secs(5);
             (s.decode_config)(&mut cfg);
-            let t = LoopbackTransport::new(&format!("{name}-d{tp}")).expect("agent");
+            let t = f.create(&format!("{name}-d{tp}"));
             PushDecode::new(
                 t,
                 cfg,
@@ -274,10 +300,10 @@ pub fn decode(s: &Setup, name: &str, clock: Arc<dyn Clock>) -> DecodeSide {
 }
 
 /// Polls both sides until `done` or 60 s (a hang guard).
-pub fn poll_until(
-    pre: &mut PrefillSide,
-    dec: &mut DecodeSide,
-    mut done: impl FnMut(&PrefillSide, &DecodeSide) -> bool,
+pub fn poll_until<T: Transport>(
+    pre: &mut PrefillSide<T>,
+    dec: &mut DecodeSide<T>,
+    mut done: impl FnMut(&PrefillSide<T>, &DecodeSide<T>) -> bool,
 ) {
     let start = Instant::now();
     loop {
@@ -301,9 +327,9 @@ pub fn poll_until(
 /// Runs one room: decode ranks ask for `dst` pages (aux `aux`, state `state.1`), prefill
 /// ranks send `src` pages in chunks of `chunk`, aux `aux.0`, state `state.0`.
 #[allow(clippy::too_many_arguments)]
-pub fn run_room(
-    pre: &mut PrefillSide,
-    dec: &mut DecodeSide,
+pub fn run_room<T: Transport>(
+    pre: &mut PrefillSide<T>,
+    dec: &mut DecodeSide<T>,
     room: u64,
     src: &[u32],
     dst: &[u32],

@@ -1,5 +1,5 @@
-//! The conformance suite on NIXL (host memory, UCX backend). Without the runtime every case
-//! prints why it is skipped. Cases run one at a time (a process-wide lock), as NIXL's own
+//! The conformance suite and the pull and push scenario lists on NIXL (host memory, UCX
+//! backend). Without the runtime every case prints why it is skipped. Cases run one at a time (a process-wide lock), as NIXL's own
 //! tests do, so the suite needs no `--test-threads=1`.
 #![cfg(feature = "nixl")]
 
@@ -21,6 +21,9 @@ impl TransportFactory for Nixl {
 }
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+kvxfer_tests::pull_scenarios!(run);
+kvxfer_tests::push_scenarios!(run);
 
 /// Runs `case` when the runtime and its UCX plugin are there, else prints the skip.
 fn run(case: &str, f: impl FnOnce(&Nixl)) {

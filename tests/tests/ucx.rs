@@ -1,6 +1,7 @@
 //! The conformance suite on UCX in one process (two agents): over shared memory with no
 //! progress thread (progress only from polling), and over TCP loopback, where UCX emulates
-//! RMA with messages the target must progress, with the progress thread on.
+//! RMA with messages the target must progress, with the progress thread on. The pull and
+//! push scenario lists run over shared memory.
 #![cfg(feature = "ucx")]
 
 use std::time::Duration;
@@ -47,4 +48,17 @@ mod tcp {
         tls: "tcp,self",
         progress_thread: true,
     });
+}
+
+/// The pull and push scenario lists over UCX shared memory.
+mod scenarios_shm {
+    fn run(_case: &str, body: impl FnOnce(&super::Ucx)) {
+        body(&super::Ucx {
+            tls: "sm,self",
+            progress_thread: true,
+        });
+    }
+
+    kvxfer_tests::pull_scenarios!(run);
+    kvxfer_tests::push_scenarios!(run);
 }

@@ -1,0 +1,55 @@
+//! End-to-end connector scenarios as functions over a [`TransportFactory`], so every
+//! transport runs the same list: [`pull_scenarios!`](crate::pull_scenarios) and
+//! [`push_scenarios!`](crate::push_scenarios) generate one `#[test]` per scenario.
+//!
+//! [`TransportFactory`]: crate::conformance::TransportFactory
+
+pub mod pull;
+pub mod push;
+
+/// Generates one `#[test]` per pull scenario. `$run` is called as `$run(case, body)` and
+/// calls `body(&factory)` (or prints why it skips).
+#[macro_export]
+macro_rules! pull_scenarios {
+    ($run:path) => {
+        $crate::scenario_tests!($run, pull: tp_combinations_move_the_right_bytes,
+            replicated_heads_and_mla, five_concurrent_requests,
+            full_prefix_hit_only_notifies_and_partial_hit_reads_the_tail,
+            layout_mismatch_is_refused_naming_fields,
+            handshake_failure_returns_request_with_invalid_blocks,
+            loads_never_block_on_a_slow_handshake, lease_expiry_frees_held_blocks,
+            compat_enforcement_can_be_disabled, setup_failure_returns_invalid_blocks,
+            per_layer_windows_move_only_the_last_blocks);
+    };
+}
+
+/// Generates one `#[test]` per push scenario, like [`pull_scenarios!`](crate::pull_scenarios).
+#[macro_export]
+macro_rules! push_scenarios {
+    ($run:path) => {
+        $crate::scenario_tests!($run, push: single_room_chunked_with_aux,
+            heterogeneous_tp_replication_and_mla, pipeline_stages_including_an_uneven_split,
+            many_rooms_concurrently, mamba_and_window_state, dummy_ranks_complete_without_data,
+            registry_not_ready_then_ready, page_size_or_dtype_mismatch_is_refused,
+            out_of_range_destinations_are_refused_with_guards_intact,
+            prefill_death_fails_its_rooms_within_the_heartbeat_window,
+            waiting_and_bootstrap_timeouts, abort_reaches_the_other_side,
+            restarted_prefill_at_the_same_address_serves_new_rooms,
+            malformed_control_messages_are_dropped_and_serving_continues,
+            room_requested_before_the_engine_adds_it);
+    };
+}
+
+/// One `#[test]` per named scenario of module `$module`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! scenario_tests {
+    ($run:path, $module:ident: $($case:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $run(stringify!($case), |f| $crate::scenarios::$module::$case(f));
+            }
+        )+
+    };
+}

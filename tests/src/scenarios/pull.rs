@@ -1,0 +1,492 @@
+//! Pull-connector scenarios, generic over the transport: each moves real bytes (verified
+//! against the prefill's identity-filled cache) or checks a failure path, and each can fail.
+//! Run on the loopback by `tests/pull.rs` and on NIXL by `tests/nixl.rs`. Scenarios that
+//! need injected faults (held completions, failing posts, a vanishing peer) stay with the
+//! loopback, which is the transport that can inject them.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use kvxfer_core::Transport;
+use kvxfer_core::clock::{Clock, ManualClock, SystemClock};
+use kvxfer_core::pull::{FailedLoad, FinishedAggregator, LocalAggregator, PullConfig};
+use kvxfer_layout::{BlockOrder, Dtype};
+
+use crate::conformance::TransportFactory;
+use crate::pull_env::{Engine, Model, engine, poll_until};
+
+/// The factory as the maker `engine` takes.
+pub fn mk<F: TransportFactory>(f: &F) -> impl Fn(&str) -> F::T + '_ {
+    move |name| f.create(name)
+}
+
+/// Leaves the configuration as it is.
+pub fn no_tune(_: &mut PullConfig) {}
+
+/// A clock that follows real time.
+pub fn clock() -> Arc<dyn Clock> {
+    Arc::new(SystemClock::default())
+}
+
+/// Polls decode rank 0 until a load fails; returns the failures of that step.
+pub fn first_failure<T: Transport>(dec: &mut Engine<T>) -> Vec<FailedLoad> {
+    let mut failed = Vec::new();
+    poll_until(&mut [dec], |_, f| {
+        failed.extend(f[0].failed.clone());
+        !failed.is_empty()
+    });
+    failed
+}
+
+/// Runs one request prefill(p) -> decode(d) and checks bytes on every decode rank and that
+/// every prefill rank freed the request.
+pub fn pull_roundtrip<F: TransportFactory>(f: &F, model: Model, p: u32, d: u32, name: &str) {
+    let c = clock();
+    let mut pre = engine(
+        &format!("{name}-P"),
+        &model,
+        p,
+        true,
+        Arc::clone(&c),
+        &mk(f),
+        &no_tune,
+    );
+    let mut dec = engine(&format!("{name}-D"), &model, d, false, c, &mk(f), &no_tune);
+    let remote = [3u32, 4, 9];
+    let local = [0u32, 7, 8];
+    let params = pre.finish_prefill("req-1", &remote);
+    dec.start_load("req-1", &params, &local, 12);
+    let mut recv_done = vec![false; d as usize];
+    let mut send_done = vec![false; p as usize];
+    let mut failures: Vec<FailedLoad> = Vec::new();
+    poll_until_pair(
+        &mut dec,
+        &mut pre,
+        &mut recv_done,
+        &mut send_done,
+        &mut failures,
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    let pairs: Vec<(u32, u32)> = remote.iter().copied().zip(local.iter().copied()).collect();
+    for (r, cache) in dec.caches.iter().enumerate() {
+        if let Err(e) = cache.verify(&pairs) {
+            panic!("decode rank {r} of {name}: {e}");
+        }
+    }
+}
+
+/// Polls both engines until every decode rank reported the request received and every
+/// prefill rank reported it sent (60 s hang guard).
+pub fn poll_until_pair<T: Transport>(
+    dec: &mut Engine<T>,
+    pre: &mut Engine<T>,
+    recv_done: &mut [bool],
+    send_done: &mut [bool],
+    failures: &mut Vec<FailedLoad>,
+) {
+    let start = std::time::Instant::now();
+    while !(recv_done.iter().all(|&x| x) && send_done.iter().all(|&x| x)) {
+        for (r, f) in dec.poll().into_iter().enumerate() {
+            if !f.recving.is_empty() {
+                recv_done[r] = true;
+            }
+            failures.extend(f.failed);
+        }
+        for (r, f) in pre.poll().into_iter().enumerate() {
+            if !f.sending.is_empty() {
+                send_done[r] = true;
+            }
+        }
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "recv {recv_done:?} send {send_done:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// Every (decode TP, prefill TP) pair in both block orders moves the right head slices.
+pub fn tp_combinations_move_the_right_bytes<F: TransportFactory>(f: &F) {
+    // (decode TP, prefill TP) as the reference tests them, plus prefill TP > decode TP.
+    for (d, p) in [(1, 1), (2, 1), (4, 2), (4, 4), (2, 4), (1, 2)] {
+        for order in [BlockOrder::Hnd, BlockOrder::Nhd] {
+            pull_roundtrip(
+                f,
+                Model::small(order, 4),
+                p,
+                d,
+                &format!("tp{d}x{p}{order:?}"),
+            );
+        }
+    }
+}
+
+/// Fewer KV heads than ranks (replication both ways), MLA and joint K/V.
+pub fn replicated_heads_and_mla<F: TransportFactory>(f: &F) {
+    // 2 KV heads on 4 decode ranks: source heads [0, 0, 1, 1].
+    pull_roundtrip(f, Model::small(BlockOrder::Hnd, 2), 1, 4, "repl");
+    // 2 heads on 4 prefill ranks into 1 decode rank: two ranks are notify-only.
+    pull_roundtrip(f, Model::small(BlockOrder::Nhd, 2), 4, 1, "repl-p");
+    for (d, p) in [(1, 1), (2, 1), (1, 2)] {
+        pull_roundtrip(f, Model::mla(), p, d, &format!("mla{d}x{p}"));
+    }
+    let mut joint = Model::small(BlockOrder::Hnd, 4);
+    joint.kind = kvxfer_layout::CacheKind::JointKv;
+    pull_roundtrip(f, joint, 1, 2, "joint");
+}
+
+/// Five requests in flight at once on TP 2:2; each reported once, when both ranks are done.
+pub fn five_concurrent_requests<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("five-P", &model, 2, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("five-D", &model, 2, false, c, &mk(f), &no_tune);
+    let mut expected = Vec::new();
+    for i in 0..5u32 {
+        let remote = [i, i + 5];
+        let local = [2 * i, 2 * i + 1];
+        let params = pre.finish_prefill(&format!("r{i}"), &remote);
+        dec.start_load(&format!("r{i}"), &params, &local, 8);
+        expected.push((remote, local));
+    }
+    let mut recv: HashSet<(usize, String)> = HashSet::new();
+    let mut sent: HashSet<(usize, String)> = HashSet::new();
+    // Rank 0 reports a request only once both decode ranks finished it.
+    let mut agg = LocalAggregator::new(2);
+    let mut engine_done: Vec<String> = Vec::new();
+    poll_until(&mut [&mut dec], |_, f| {
+        for (r, x) in f.iter().enumerate() {
+            assert!(x.failed.is_empty(), "{:?}", x.failed);
+            recv.extend(x.recving.iter().map(|id| (r, id.clone())));
+            engine_done.extend(agg.submit(r as u32, x.recving.clone()));
+        }
+        recv.len() == 10
+    });
+    engine_done.sort();
+    assert_eq!(
+        engine_done,
+        (0..5).map(|i| format!("r{i}")).collect::<Vec<_>>()
+    );
+    let mut stats = kvxfer_core::pull::PullMetrics::default();
+    for w in &mut dec.workers {
+        stats.merge(&w.take_metrics());
+    }
+    assert_eq!(stats.transfers, 10, "5 requests x 2 ranks");
+    poll_until(&mut [&mut pre], |_, f| {
+        for (r, x) in f.iter().enumerate() {
+            sent.extend(x.sending.iter().map(|id| (r, id.clone())));
+        }
+        sent.len() == 10
+    });
+    let pairs: Vec<(u32, u32)> = expected
+        .iter()
+        .flat_map(|(r, l)| r.iter().copied().zip(l.iter().copied()))
+        .collect();
+    for cache in &dec.caches {
+        cache.verify(&pairs).expect("bytes");
+    }
+}
+
+/// A full prefix hit only notifies the prefill; a partial hit reads only the tail.
+pub fn full_prefix_hit_only_notifies_and_partial_hit_reads_the_tail<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Nhd, 4);
+    let c = clock();
+    let mut pre = engine(
+        "prefix-P",
+        &model,
+        1,
+        true,
+        Arc::clone(&c),
+        &mk(f),
+        &no_tune,
+    );
+    let mut dec = engine("prefix-D", &model, 1, false, c, &mk(f), &no_tune);
+    let params = pre.finish_prefill("full", &[1, 2, 3]);
+    dec.start_load("full", &params, &[], 0);
+    let params = pre.finish_prefill("part", &[4, 5, 6]);
+    dec.start_load("part", &params, &[9], 4);
+    let mut recv = HashSet::new();
+    poll_until(&mut [&mut dec], |_, f| {
+        recv.extend(f[0].recving.iter().cloned());
+        assert!(f[0].failed.is_empty());
+        recv.len() == 2
+    });
+    let mut sent = HashSet::new();
+    poll_until(&mut [&mut pre], |_, f| {
+        sent.extend(f[0].sending.iter().cloned());
+        sent.len() == 2
+    });
+    // Only the tail block 6 was read, into local block 9.
+    dec.caches[0].verify(&[(6, 9)]).expect("tail read");
+    let m = dec.workers[0].take_metrics();
+    assert_eq!(m.transfers, 1);
+    assert!(m.descriptors_posted <= m.descriptors_raw);
+    assert_eq!(
+        dec.workers[0].take_metrics().transfers,
+        0,
+        "metrics reset on read"
+    );
+}
+
+/// An incompatible prefill layout is refused naming the fields; nothing is written.
+pub fn layout_mismatch_is_refused_naming_fields<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let mut other = model;
+    other.dtype = Dtype::Bf16;
+    other.head_dim = 8;
+    let c = clock();
+    let mut pre = engine(
+        "mismatch-P",
+        &other,
+        1,
+        true,
+        Arc::clone(&c),
+        &mk(f),
+        &no_tune,
+    );
+    let mut dec = engine("mismatch-D", &model, 1, false, c, &mk(f), &no_tune);
+    let params = pre.finish_prefill("r", &[1, 2]);
+    dec.start_load("r", &params, &[3, 4], 8);
+    let failed = first_failure(&mut dec);
+    let reason = &failed[0].reason;
+    assert!(
+        reason.contains("dtype") && reason.contains("head dim"),
+        "{reason}"
+    );
+    assert_eq!(failed[0].invalid_blocks, vec![3, 4]);
+    dec.caches[0].verify(&[]).expect("nothing written");
+}
+
+/// A prefill that never answers fails the load with its blocks marked invalid.
+pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let mut dec = engine(
+        "hsfail-D",
+        &model,
+        1,
+        false,
+        clock(),
+        &mk(f),
+        &|c: &mut PullConfig| {
+            c.handshake_timeout = std::time::Duration::from_millis(200);
+        },
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let params = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![1, 2]),
+        remote_engine_id: Some("ghost".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    };
+    dec.start_load("r", &params, &[5, 6], 8);
+    let mut failed = Vec::new();
+    let mut recv = Vec::new();
+    poll_until(&mut [&mut dec], |_, f| {
+        failed.extend(f[0].failed.clone());
+        recv.extend(f[0].recving.clone());
+        !failed.is_empty()
+    });
+    assert_eq!(
+        recv,
+        vec!["r".to_string()],
+        "failed request still reported finished"
+    );
+    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
+    assert!(
+        failed[0].reason.contains("handshake"),
+        "{}",
+        failed[0].reason
+    );
+    assert_eq!(dec.workers[0].take_metrics().failed_handshakes, 1);
+}
+
+/// Starting a load and polling return while the handshake is still unanswered.
+pub fn loads_never_block_on_a_slow_handshake<F: TransportFactory>(f: &F) {
+    // A side channel that answers only when the test says so (or after 10 s).
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let port: u16 = router
+        .get_last_endpoint()
+        .unwrap()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    let replied = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let replied2 = Arc::clone(&replied);
+    let server = std::thread::spawn(move || {
+        let frames = router.recv_multipart(0).unwrap();
+        let _ = gate_rx.recv_timeout(std::time::Duration::from_secs(10));
+        replied2.store(true, std::sync::atomic::Ordering::SeqCst);
+        router
+            .send_multipart([frames[0].as_slice(), b"", b"not metadata"], 0)
+            .unwrap();
+    });
+    let mut dec = engine("slow-D", &model, 1, false, clock(), &mk(f), &no_tune);
+    let params = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![1]),
+        remote_engine_id: Some("slow".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    };
+    dec.start_load("r", &params, &[2], 4);
+    let f = dec.poll();
+    // Both calls returned while the server still withholds its reply.
+    assert!(
+        !replied.load(std::sync::atomic::Ordering::SeqCst),
+        "start_load_kv waited for the handshake"
+    );
+    assert!(f[0].recving.is_empty());
+    gate_tx.send(()).unwrap();
+    server.join().unwrap();
+    let failed = first_failure(&mut dec);
+    assert!(failed[0].reason.contains("handshake"));
+}
+
+/// Blocks held for a decode that never reads are freed when the lease expires, not before.
+pub fn lease_expiry_frees_held_blocks<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let mut pre = engine(
+        "lease-P",
+        &model,
+        1,
+        true,
+        c,
+        &mk(f),
+        &|cfg: &mut PullConfig| {
+            cfg.lease = std::time::Duration::from_secs(30);
+        },
+    );
+    let _ = pre.finish_prefill("abandoned", &[1, 2]);
+    for _ in 0..3 {
+        assert!(
+            pre.poll()[0].sending.is_empty(),
+            "freed before the lease expired"
+        );
+    }
+    manual.advance(std::time::Duration::from_secs(29));
+    assert!(pre.poll()[0].sending.is_empty());
+    manual.advance(std::time::Duration::from_secs(2));
+    assert_eq!(pre.poll()[0].sending, vec!["abandoned".to_string()]);
+    assert_eq!(pre.workers[0].take_metrics().expired_leases, 1);
+}
+
+/// Mismatched attention backends are refused by default and accepted with enforcement off.
+pub fn compat_enforcement_can_be_disabled<F: TransportFactory>(f: &F) {
+    // Backends differ: refused by default, accepted (and transferred) with enforcement off.
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine(
+        "compat-P",
+        &model,
+        1,
+        true,
+        Arc::clone(&c),
+        &mk(f),
+        &|cfg: &mut PullConfig| {
+            cfg.backend_name = "FLASHINFER".into();
+        },
+    );
+    let mut strict = engine(
+        "compat-D1",
+        &model,
+        1,
+        false,
+        Arc::clone(&c),
+        &mk(f),
+        &no_tune,
+    );
+    let params = pre.finish_prefill("a", &[1]);
+    strict.start_load("a", &params, &[2], 4);
+    let failed = first_failure(&mut strict);
+    assert!(
+        failed[0].reason.contains("attention backend"),
+        "{}",
+        failed[0].reason
+    );
+    let mut lax = engine(
+        "compat-D2",
+        &model,
+        1,
+        false,
+        c,
+        &mk(f),
+        &|cfg: &mut PullConfig| cfg.enforce_compat = false,
+    );
+    let params = pre.finish_prefill("b", &[1]);
+    lax.start_load("b", &params, &[2], 4);
+    poll_until(&mut [&mut lax], |_, f| {
+        assert!(f[0].failed.is_empty());
+        !f[0].recving.is_empty()
+    });
+    lax.caches[0].verify(&[(1, 2)]).expect("bytes");
+}
+
+/// A load that cannot be planned fails before any byte moves.
+pub fn setup_failure_returns_invalid_blocks<F: TransportFactory>(f: &F) {
+    // A local block id beyond the cache cannot be planned: the load fails before any byte moves.
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("setup-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("setup-D", &model, 1, false, c, &mk(f), &no_tune);
+    let params = pre.finish_prefill("r", &[1, 2]);
+    dec.start_load("r", &params, &[3, 999], 8);
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![3, 999]);
+    assert_eq!(dec.workers[0].take_metrics().failed_setups, 1);
+    dec.caches[0].verify(&[]).expect("nothing written");
+}
+
+/// Sliding-window layers read only the blocks in their window.
+pub fn per_layer_windows_move_only_the_last_blocks<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("win-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("win-D", &model, 1, false, c, &mk(f), &no_tune);
+    // Rebuild decode worker 0 with layer 0 windowed to 1 block.
+    let cache = &dec.caches[0];
+    let kv = kvxfer_core::pull::KvCache {
+        spec: cache.spec,
+        bases: cache.bases(),
+        memory: kvxfer_core::MemoryKind::Host,
+        total_kv_heads: 4,
+        total_layers: 2,
+        first_layer: 0,
+        layer_windows: Some(vec![Some(1), None]),
+    };
+    let mut cfg = PullConfig::new("win-D", 0, 1);
+    cfg.side_channel_port = 0;
+    dec.workers.clear();
+    dec.workers.push(
+        kvxfer_core::pull::PullWorker::new(f.create("win-D-0b"), cfg, kv, clock()).expect("worker"),
+    );
+    let params = pre.finish_prefill("r", &[1, 2, 3]);
+    dec.start_load("r", &params, &[4, 5, 6], 12);
+    poll_until(&mut [&mut dec], |_, f| {
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        !f[0].recving.is_empty()
+    });
+    // Layer 1 has all three blocks, layer 0 only the last; check a byte of each.
+    let m = dec.workers[0].take_metrics();
+    let per_block_region = model.tokens as u64 * 4 * 4 * 2; // tokens * heads * dim * f16
+    assert_eq!(
+        m.bytes,
+        per_block_region * 2 * (1 + 3),
+        "K and V: 1 block in layer 0, 3 in layer 1"
+    );
+}
