@@ -223,6 +223,10 @@ impl Transport for AnyTransport {
         dispatch!(self, t => t.release(xfer))
     }
 
+    fn telemetry(&mut self, xfer: XferId) -> Option<kvxfer_core::XferTelemetry> {
+        dispatch!(self, t => t.telemetry(xfer))
+    }
+
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
         dispatch!(self, t => t.send_notification(peer, message))
     }

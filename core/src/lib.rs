@@ -15,5 +15,5 @@ pub mod wire;
 
 pub use transport::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Registration,
-    Transport, TransportError, TransportResult, XferId, XferStatus,
+    Transport, TransportError, TransportResult, XferId, XferStatus, XferTelemetry,
 };

@@ -424,6 +424,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     report.descriptors_posted = metrics.descriptors_posted;
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
     report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
+    report.library(&metrics.backend);
     finish(&mut report, c, latencies, moved, measured, memcpy);
     Ok(report)
 }

@@ -286,6 +286,7 @@ pub(super) fn run(
             wave_metrics.descriptors_posted += m.descriptors_posted;
             wave_metrics.post_time += m.post_time;
             wave_metrics.plan_time += m.plan_time;
+            wave_metrics.backend.merge(&m.backend);
         }
         for (room, remote, local) in &jobs {
             let pairs: Vec<(u32, u32)> =
@@ -321,6 +322,7 @@ pub(super) fn run(
             metrics.descriptors_posted += wave_metrics.descriptors_posted;
             metrics.post_time += wave_metrics.post_time;
             metrics.plan_time += wave_metrics.plan_time;
+            metrics.backend.merge(&wave_metrics.backend);
             report.requests += jobs.len() as u32;
         }
         progress(next, total);
@@ -332,6 +334,7 @@ pub(super) fn run(
     report.descriptors_posted = metrics.descriptors_posted;
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
     report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
+    report.library(&metrics.backend);
     finish(&mut report, c, latencies, moved, measured, memcpy);
     Ok(report)
 }

@@ -55,9 +55,23 @@ pub struct BenchReport {
     pub ratio_to_memcpy: f64,
     /// Bytes compared against the prefill's contents.
     pub verified_bytes: u64,
+    /// Transfers the transport library measured itself (NIXL telemetry; 0 elsewhere).
+    pub library_reports: u64,
+    /// Per request: time inside the library's post calls, as the library measured it.
+    pub library_post_ms_per_request: f64,
+    /// Per transfer: post to completion, as the library measured it.
+    pub library_transfer_ms_mean: f64,
 }
 
 impl BenchReport {
+    /// Takes the library's own measurements of the measured requests.
+    pub(super) fn library(&mut self, t: &kvxfer_core::pull::BackendTelemetry) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        self.library_reports = t.transfers;
+        self.library_post_ms_per_request = ms(t.post_time) / f64::from(self.requests.max(1));
+        self.library_transfer_ms_mean = ms(t.transfer_time) / t.transfers.max(1) as f64;
+    }
+
     pub(super) fn describe(&mut self, c: &BenchConfig) {
         self.model = c.model.name.to_string();
         self.tp = if c.prefill_pp > 1 {
@@ -134,6 +148,21 @@ impl BenchReport {
                 format!("{} bytes, all correct", self.verified_bytes),
             ),
         ];
+        let mut rows = rows;
+        if self.library_reports > 0 {
+            rows.insert(
+                rows.len() - 3,
+                (
+                    "library post / transfer",
+                    format!(
+                        "{:.3} ms per request / {:.2} ms per transfer ({} telemetry reports)",
+                        self.library_post_ms_per_request,
+                        self.library_transfer_ms_mean,
+                        self.library_reports
+                    ),
+                ),
+            );
+        }
         let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         for (k, v) in rows {
             let _ = writeln!(s, "  {k:<width$}  {v}");

@@ -107,3 +107,57 @@ fn conformance_registration_lifecycle() {
 fn conformance_capabilities_declared() {
     run("caps", kvxfer_tests::conformance::capabilities_declared);
 }
+
+/// NIXL's own per-transfer measurements reach the pull connector's metrics: one report per
+/// completed READ, with the bytes the connector asked for; the push side likewise.
+#[test]
+fn telemetry_reaches_the_connector_metrics() {
+    run("telemetry", |f| {
+        use kvxfer_tests::pull_env::{Model, engine};
+        use kvxfer_tests::scenarios::pull::{clock, mk, no_tune, poll_until_pair};
+        let model = Model::small(kvxfer_layout::BlockOrder::Hnd, 4);
+        let c = clock();
+        let mut pre = engine("telem-P", &model, 1, true, c.clone(), &mk(f), &no_tune);
+        let mut dec = engine("telem-D", &model, 1, false, c, &mk(f), &no_tune);
+        let params = pre.finish_prefill("r", &[1, 2, 3]);
+        dec.start_load("r", &params, &[4, 5, 6], 12);
+        let mut failures = Vec::new();
+        poll_until_pair(
+            &mut dec,
+            &mut pre,
+            &mut [false],
+            &mut [false],
+            &mut failures,
+        );
+        assert!(failures.is_empty(), "{failures:?}");
+        let m = dec.workers[0].take_metrics();
+        assert_eq!(m.transfers, 1);
+        assert_eq!(m.backend.transfers, 1, "one telemetry report: {m:?}");
+        assert_eq!(m.backend.bytes, m.bytes, "{m:?}");
+        assert_eq!(m.backend.descriptors, m.descriptors_posted, "{m:?}");
+        drop((dec, pre));
+
+        use kvxfer_tests::push_env::{Setup, decode_on, prefill_on, run_room};
+        let s = Setup::new(model, 1, 1);
+        let mut pre = prefill_on(f, &s, "telem-push", clock(), None, None);
+        let mut dec = decode_on(f, &s, "telem-push", clock());
+        let st = run_room(
+            &mut pre,
+            &mut dec,
+            1,
+            &[1, 2],
+            &[3, 4],
+            1,
+            Some((0, 0)),
+            (vec![], vec![]),
+        );
+        assert_eq!(st, vec![kvxfer_core::push::RoomStatus::Success]);
+        let m = pre.ranks[0].take_metrics();
+        assert!(m.transfers >= 2, "two chunks: {m:?}");
+        assert_eq!(
+            m.backend.transfers, m.transfers,
+            "a report per WRITE: {m:?}"
+        );
+        assert!(m.backend.bytes >= m.kv_bytes, "KV plus aux: {m:?}");
+    });
+}

@@ -2,16 +2,17 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvxfer_core::transport::checks::{PreparedLists, check_pairs, within};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
-    TransportError, TransportResult, XferId, XferStatus,
+    TransportError, TransportResult, XferId, XferStatus, XferTelemetry,
 };
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferOp, XferRequest,
+    RegistrationHandle, XferDescList, XferDlistHandle, XferOp, XferRequest,
 };
 
 use crate::{INSTALL_HINT, runtime_available};
@@ -32,6 +33,9 @@ pub struct NixlConfig {
     pub progress_thread: bool,
     /// Sleep of the progress thread between rounds, in microseconds.
     pub progress_delay_us: u64,
+    /// Ask NIXL to measure every transfer (post time, transfer time, bytes, descriptors);
+    /// the connectors add the figures to their metrics. `KVXFER_NIXL_TELEMETRY=0` turns it off.
+    pub telemetry: bool,
 }
 
 impl Default for NixlConfig {
@@ -43,6 +47,7 @@ impl Default for NixlConfig {
             progress_thread: std::env::var("KVXFER_NIXL_PROGRESS_THREAD")
                 .map_or(true, |v| v != "0"),
             progress_delay_us: 50,
+            telemetry: std::env::var("KVXFER_NIXL_TELEMETRY").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -143,6 +148,17 @@ struct Xfer {
     failed: Option<String>,
 }
 
+/// A list NIXL prepared (`prepXferDlist`): indexed posts build their request from it with
+/// no per-descriptor lookup, NIXL's fast path.
+struct NativeList {
+    peer: Option<PeerId>,
+    handle: XferDlistHandle,
+}
+
+// SAFETY: the handle is an opaque pointer NIXL owns, used and released only through the
+// agent (internally locked) by the one thread that drives this transport at a time.
+unsafe impl Send for NativeList {}
+
 /// One NIXL agent.
 pub struct NixlTransport {
     agent: Agent,
@@ -152,6 +168,7 @@ pub struct NixlTransport {
     regions: Arc<Regions>,
     peers: HashMap<PeerId, Peer>,
     lists: PreparedLists,
+    native: HashMap<DescListId, NativeList>,
     xfers: HashMap<XferId, Xfer>,
     next_id: u64,
 }
@@ -171,18 +188,17 @@ impl NixlTransport {
             what: "the NIXL runtime".into(),
             reason,
         })?;
-        let agent = if config.progress_thread {
-            let cfg = nixl_sys::AgentConfig {
-                enable_prog_thread: true,
-                thread_sync: nixl_sys::ThreadSync::Default,
-                pthr_delay_us: config.progress_delay_us,
-                ..nixl_sys::AgentConfig::default()
-            };
-            Agent::new_configured(name, &cfg)
-        } else {
-            Agent::new(name)
-        }
-        .map_err(|e| backend_err("agent creation", e))?;
+        // Always the configured constructor: the plain one starts the progress thread
+        // whatever was asked.
+        let cfg = nixl_sys::AgentConfig {
+            enable_prog_thread: config.progress_thread,
+            thread_sync: nixl_sys::ThreadSync::Default,
+            pthr_delay_us: config.progress_delay_us,
+            capture_telemetry: config.telemetry,
+            ..nixl_sys::AgentConfig::default()
+        };
+        let agent =
+            Agent::new_configured(name, &cfg).map_err(|e| backend_err("agent creation", e))?;
         let plugins: Vec<String> = agent
             .get_available_plugins()
             .map(|l| {
@@ -213,6 +229,7 @@ impl NixlTransport {
             regions: Arc::default(),
             peers: HashMap::new(),
             lists: PreparedLists::default(),
+            native: HashMap::new(),
             xfers: HashMap::new(),
             next_id: 1,
         })
@@ -313,23 +330,18 @@ impl NixlTransport {
             );
             return Ok(id);
         }
-        let mut l =
-            XferDescList::new(mem_type(kinds.0)).map_err(|e| backend_err("descriptor list", e))?;
-        let mut r =
-            XferDescList::new(mem_type(kinds.1)).map_err(|e| backend_err("descriptor list", e))?;
-        for (a, b) in local.iter().zip(remote) {
-            l.add_desc(a.addr as usize, a.len as usize, dev(kinds.0));
-            r.add_desc(b.addr as usize, b.len as usize, dev(kinds.1));
-        }
-        let xop = match op {
-            Op::Read => XferOp::Read,
-            Op::Write => XferOp::Write,
-        };
+        let l = desc_list(kinds.0, local)?;
+        let r = desc_list(kinds.1, remote)?;
         let req = self
             .agent
-            .create_xfer_req(xop, &l, &r, peer_name, Some(&args))
+            .create_xfer_req(xfer_op(op), &l, &r, peer_name, Some(&args))
             .map_err(|e| backend_err("transfer creation", e))?;
-        let failed = match self.agent.post_xfer_req(&req, Some(&args)) {
+        Ok(self.launch(id, req, &args))
+    }
+
+    /// Posts a created request and records it under `id`; a post error makes it `Failed`.
+    fn launch(&mut self, id: XferId, req: XferRequest, args: &OptArgs) -> XferId {
+        let failed = match self.agent.post_xfer_req(&req, Some(args)) {
             Ok(_) => None,
             Err(e) => Some(format!("NIXL post failed: {e}")),
         };
@@ -340,8 +352,54 @@ impl NixlTransport {
                 failed,
             },
         );
-        Ok(id)
+        id
     }
+
+    /// Hands a checked list to NIXL's `prepXferDlist` ("" = this agent's own memory).
+    fn prepare_native(
+        &mut self,
+        id: DescListId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+        peer: Option<PeerId>,
+    ) -> TransportResult<()> {
+        if ranges.is_empty() {
+            // NIXL refuses empty lists; posts from one are empty and never reach NIXL.
+            return Ok(());
+        }
+        let owner = match peer {
+            Some(p) => self
+                .peers
+                .get(&p)
+                .map(|p| p.name.clone())
+                .unwrap_or_default(),
+            None => String::new(),
+        };
+        let list = desc_list(kind, ranges)?;
+        let args = self.opt_args(None)?;
+        let handle = self
+            .agent
+            .prepare_xfer_dlist(&owner, &list, Some(&args))
+            .map_err(|e| backend_err("list preparation", e))?;
+        self.native.insert(id, NativeList { peer, handle });
+        Ok(())
+    }
+}
+
+fn xfer_op(op: Op) -> XferOp {
+    match op {
+        Op::Read => XferOp::Read,
+        Op::Write => XferOp::Write,
+    }
+}
+
+/// A NIXL descriptor list of `ranges`.
+fn desc_list(kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<XferDescList<'_>> {
+    let mut l = XferDescList::new(mem_type(kind)).map_err(|e| backend_err("descriptor list", e))?;
+    for a in ranges {
+        l.add_desc(a.addr as usize, a.len as usize, dev(kind));
+    }
+    Ok(l)
 }
 
 fn encode_meta(name: &str, regions: &[(MemoryKind, AddrRange)], nixl: &[u8]) -> Vec<u8> {
@@ -512,6 +570,8 @@ impl Transport for NixlTransport {
             .remove(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
         self.lists.forget_peer(peer);
+        // Prepared handles go before NIXL forgets the metadata they point into.
+        self.native.retain(|_, l| l.peer != Some(peer));
         let _ = self.agent.invalidate_remote_md(&p.name);
         Ok(())
     }
@@ -524,6 +584,7 @@ impl Transport for NixlTransport {
         self.check_count("descriptors in list", ranges.len())?;
         self.check_local(kind, ranges)?;
         let id = DescListId(self.next());
+        self.prepare_native(id, kind, ranges, None)?;
         Ok(self.lists.insert(id, kind, ranges, None))
     }
 
@@ -536,11 +597,14 @@ impl Transport for NixlTransport {
         self.check_count("descriptors in list", ranges.len())?;
         self.check_remote(peer, kind, ranges)?;
         let id = DescListId(self.next());
+        self.prepare_native(id, kind, ranges, Some(peer))?;
         Ok(self.lists.insert(id, kind, ranges, Some(peer)))
     }
 
     fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
-        self.lists.release(list)
+        self.lists.release(list)?;
+        self.native.remove(&list);
+        Ok(())
     }
 
     fn post_indexed(
@@ -552,10 +616,37 @@ impl Transport for NixlTransport {
         remote_idx: &[u32],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
+        // Our own checks first (lists, sides, index range, lengths), then NIXL builds the
+        // request from its prepared handles by index.
         let x = self
             .lists
             .resolve((local, local_idx), (remote, remote_idx))?;
-        self.post(op, x.peer, x.kinds, &x.local, &x.remote, notification)
+        self.check_count("descriptors in transfer", x.local.len())?;
+        let peer_name = self
+            .peers
+            .get(&x.peer)
+            .ok_or(TransportError::UnknownPeer(x.peer))?
+            .name
+            .clone();
+        let (Some(l), Some(r)) = (self.native.get(&local), self.native.get(&remote)) else {
+            // Empty lists have no NIXL handle: the transfer is empty too.
+            return self.submit(op, &peer_name, x.kinds, &[], &[], notification);
+        };
+        let as_i32 = |idx: &[u32]| idx.iter().map(|&i| i as i32).collect::<Vec<i32>>();
+        let args = self.opt_args(notification)?;
+        let req = self
+            .agent
+            .make_xfer_req(
+                xfer_op(op),
+                &l.handle,
+                &as_i32(local_idx),
+                &r.handle,
+                &as_i32(remote_idx),
+                Some(&args),
+            )
+            .map_err(|e| backend_err("indexed transfer creation", e))?;
+        let id = XferId(self.next());
+        Ok(self.launch(id, req, &args))
     }
 
     fn post(
@@ -604,6 +695,19 @@ impl Transport for NixlTransport {
             .ok_or(TransportError::UnknownTransfer(xfer))
     }
 
+    fn telemetry(&mut self, xfer: XferId) -> Option<XferTelemetry> {
+        if !self.config.telemetry {
+            return None;
+        }
+        let t = self.xfers.get(&xfer)?.req.as_ref()?.get_telemetry().ok()?;
+        Some(XferTelemetry {
+            post: Duration::from_micros(t.post_duration_us),
+            transfer: Duration::from_micros(t.xfer_duration_us),
+            bytes: t.total_bytes,
+            descriptors: t.desc_count,
+        })
+    }
+
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
         within(
             "notification bytes",
@@ -648,6 +752,7 @@ impl Drop for NixlTransport {
     fn drop(&mut self) {
         // Requests before registrations before the agent.
         self.xfers.clear();
+        self.native.clear();
         self.lists.clear();
     }
 }

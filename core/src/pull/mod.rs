@@ -14,6 +14,6 @@ mod worker;
 
 pub use aggregate::{FinishedAggregator, LocalAggregator};
 pub use config::{FailurePolicy, KvCache, PullConfig};
-pub use metrics::PullMetrics;
+pub use metrics::{BackendTelemetry, PullMetrics};
 pub use scheduler::{FinishDecision, PullScheduler, RecvRequest, StepMeta};
 pub use worker::{FailedLoad, Finished, PullError, PullWorker};

@@ -609,6 +609,9 @@ impl<T: Transport> PullWorker<T> {
                     Ok(XferStatus::InProgress) => still.push((x, posted)),
                     Ok(XferStatus::Done) => {
                         self.metrics.transfer_time += now.saturating_sub(posted);
+                        if let Some(t) = self.transport.telemetry(x) {
+                            self.metrics.backend.add(&t);
+                        }
                         let _ = self.transport.release(x);
                     }
                     Ok(XferStatus::Failed(reason)) => {

@@ -153,6 +153,8 @@ pub struct PushMetrics {
     pub plan_time: std::time::Duration,
     /// Rooms that failed.
     pub failed_rooms: u64,
+    /// What the transport library measured itself (NIXL telemetry) of completed WRITEs.
+    pub backend: crate::pull::BackendTelemetry,
 }
 
 impl<T: Transport> PushPrefill<T> {
@@ -367,6 +369,9 @@ impl<T: Transport> PushPrefill<T> {
                 match self.transport.status(x) {
                     Ok(XferStatus::InProgress) => still.push(x),
                     Ok(XferStatus::Done) => {
+                        if let Some(t) = self.transport.telemetry(x) {
+                            self.metrics.backend.add(&t);
+                        }
                         let _ = self.transport.release(x);
                     }
                     Ok(XferStatus::Failed(e)) => {

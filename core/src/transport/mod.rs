@@ -15,6 +15,7 @@ pub use error::{TransportError, TransportResult};
 pub use registration::{Deregister, Registration, RegistrationId};
 pub use types::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, XferId, XferStatus,
+    XferTelemetry,
 };
 
 /// One agent of a transport. See the module docs for the threading model.
@@ -89,6 +90,12 @@ pub trait Transport: Send {
     /// Releases a transfer. A transfer still in progress is first waited for (bounded) or
     /// cancelled; its id is invalid afterwards.
     fn release(&mut self, xfer: XferId) -> TransportResult<()>;
+
+    /// The library's own measurements of a transfer that is `Done`, where the library
+    /// measures them (NIXL telemetry); `None` otherwise. Call before `release`.
+    fn telemetry(&mut self, _xfer: XferId) -> Option<XferTelemetry> {
+        None
+    }
 
     /// Sends a notification without data.
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()>;

@@ -99,6 +99,20 @@ pub enum XferStatus {
     Failed(String),
 }
 
+/// What the backend itself measured of a finished transfer (NIXL's per-request telemetry),
+/// for transports whose library measures it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct XferTelemetry {
+    /// Time the library spent inside its post call.
+    pub post: std::time::Duration,
+    /// Time from post to completion as the library saw it.
+    pub transfer: std::time::Duration,
+    /// Bytes the library moved.
+    pub bytes: u64,
+    /// Descriptors the library posted.
+    pub descriptors: u64,
+}
+
 /// A notification received from a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notification {
