@@ -131,6 +131,10 @@ enum Command {
         /// (a cut link can leave transfers pending for as long as TCP retries).
         #[arg(long, default_value_t = 30)]
         transfer_timeout: u64,
+        /// Pull: post every request as a coalesced plan of raw descriptors, even on a
+        /// transport that prefers per-block prepared lists (NIXL), to compare the two.
+        #[arg(long)]
+        raw_posts: bool,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and answers reads until Ctrl-C (or `--duration`).
@@ -310,6 +314,7 @@ fn main() -> ExitCode {
                 seed,
                 connect: None,
                 transfer_timeout: std::time::Duration::from_secs(30),
+                raw_posts: false,
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = std::sync::Arc::clone(&stop);
@@ -354,6 +359,7 @@ fn main() -> ExitCode {
             chart,
             connect,
             transfer_timeout,
+            raw_posts,
         } => {
             let config = BenchConfig {
                 model,
@@ -380,6 +386,7 @@ fn main() -> ExitCode {
                 seed,
                 connect,
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
+                raw_posts,
             };
             match sweep {
                 None => bench(&config, json),

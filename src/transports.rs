@@ -223,6 +223,10 @@ impl Transport for AnyTransport {
         dispatch!(self, t => t.release(xfer))
     }
 
+    fn prefers_prepared_lists(&self) -> bool {
+        dispatch!(self, t => t.prefers_prepared_lists())
+    }
+
     fn telemetry(&mut self, xfer: XferId) -> Option<kvxfer_core::XferTelemetry> {
         dispatch!(self, t => t.telemetry(xfer))
     }

@@ -78,6 +78,8 @@ pub struct BenchConfig {
     pub connect: Option<(String, u16)>,
     /// Pull: a READ pending longer than this is cancelled and its request failed.
     pub transfer_timeout: Duration,
+    /// Pull: never post by index into prepared lists (see `PullConfig::prepared_lists`).
+    pub raw_posts: bool,
 }
 
 /// Why a bench could not run or failed.
@@ -218,6 +220,7 @@ fn side(
             cfg.side_channel_port = base;
             cfg.side_channel_host = host.to_string();
             cfg.transfer_timeout = c.transfer_timeout;
+            cfg.prepared_lists = !c.raw_posts;
             let kv = ranks[r as usize].kv(&c.model);
             let transport = open(c.transport, &format!("{name}-{r}"))?;
             match PullWorker::new(transport, cfg, kv, clock.clone()) {

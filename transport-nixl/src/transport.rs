@@ -695,6 +695,12 @@ impl Transport for NixlTransport {
             .ok_or(TransportError::UnknownTransfer(xfer))
     }
 
+    fn prefers_prepared_lists(&self) -> bool {
+        // makeXferReq by index skips the per-descriptor registration lookup createXferReq
+        // does: about half the build time for 8192 descriptors (benches/nixl_post).
+        true
+    }
+
     fn telemetry(&mut self, xfer: XferId) -> Option<XferTelemetry> {
         if !self.config.telemetry {
             return None;

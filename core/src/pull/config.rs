@@ -79,6 +79,11 @@ pub struct PullConfig {
     pub failure_policy: FailurePolicy,
     /// Refuse peers whose layout is incompatible (on by default).
     pub enforce_compat: bool,
+    /// With transports that build requests faster from prepared lists (NIXL), prepare
+    /// per-block lists at the handshake and post requests that coalescing would shrink by
+    /// less than a tenth by index, as vLLM does; the others post coalesced plans. On by
+    /// default.
+    pub prepared_lists: bool,
 }
 
 impl PullConfig {
@@ -100,6 +105,7 @@ impl PullConfig {
             transfer_timeout: Duration::from_secs(30),
             failure_policy: FailurePolicy::Fail,
             enforce_compat: true,
+            prepared_lists: true,
         }
     }
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 pub struct PullMetrics {
     /// Transfers posted.
     pub transfers: u64,
+    /// Of which: posted by index into per-block prepared lists.
+    pub indexed_transfers: u64,
     /// Bytes requested by those transfers.
     pub bytes: u64,
     /// Descriptors before coalescing.
@@ -77,6 +79,7 @@ impl PullMetrics {
     /// Adds another rank's counters (for engine-wide stats across TP ranks).
     pub fn merge(&mut self, o: &PullMetrics) {
         self.transfers += o.transfers;
+        self.indexed_transfers += o.indexed_transfers;
         self.bytes += o.bytes;
         self.descriptors_raw += o.descriptors_raw;
         self.descriptors_posted += o.descriptors_posted;

@@ -6,6 +6,7 @@
 //! owns a transport.
 
 mod aggregate;
+mod block_lists;
 mod config;
 mod metrics;
 pub mod notify;

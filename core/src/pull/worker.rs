@@ -19,6 +19,7 @@ use kvxfer_layout::{
     TpMapping, TransferPlan, check_compatible, plan_transfer_into,
 };
 
+use super::block_lists::{self, BlockLists};
 use super::config::{FailurePolicy, KvCache, PullConfig};
 use super::metrics::PullMetrics;
 use super::notify::{self, PullNote};
@@ -77,6 +78,8 @@ struct RemoteRank {
     first_layer: u32,
     /// A kvxfer peer that understands heartbeats.
     lease_aware: bool,
+    /// Per-block prepared lists, where the transport prefers indexed posts.
+    lists: Option<BlockLists>,
 }
 
 enum Engine {
@@ -128,6 +131,7 @@ pub struct PullWorker<T: Transport> {
     shut_down: bool,
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
+    indices: (Vec<u32>, Vec<u32>),
 }
 
 impl<T: Transport> PullWorker<T> {
@@ -201,6 +205,7 @@ impl<T: Transport> PullWorker<T> {
             shut_down: false,
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
+            indices: (Vec::new(), Vec::new()),
         })
     }
 
@@ -363,8 +368,8 @@ impl<T: Transport> PullWorker<T> {
                     ranks.insert(rank, r);
                 }
                 Err(e) => {
-                    for r in ranks.values() {
-                        let _ = self.transport.remove_peer(r.peer);
+                    for r in std::mem::take(&mut ranks).into_values() {
+                        self.forget_rank(&r);
                     }
                     return Err(format!("prefill rank {rank}: {e}"));
                 }
@@ -446,13 +451,66 @@ impl<T: Transport> PullWorker<T> {
             .transport
             .load_peer(&meta.agent_metadata)
             .map_err(|e| e.to_string())?;
-        Ok(RemoteRank {
+        let mut remote = RemoteRank {
             peer,
             spec,
             bases: meta.kv_caches_base_addr.clone(),
             first_layer,
             lease_aware: meta.kvxfer_lease_ms.is_some(),
-        })
+            lists: None,
+        };
+        remote.lists = self.block_lists(mapping, rank, &remote);
+        Ok(remote)
+    }
+
+    /// Prepares per-block lists for the link with prefill rank `rank`, when the transport
+    /// builds requests faster from them and the link carries data; `None` keeps raw posts.
+    fn block_lists(
+        &mut self,
+        mapping: &TpMapping,
+        rank: u32,
+        remote: &RemoteRank,
+    ) -> Option<BlockLists> {
+        if !self.config.prepared_lists
+            || !self.transport.prefers_prepared_lists()
+            || self.cache.layer_windows.is_some()
+        {
+            return None;
+        }
+        let slice = mapping
+            .links_for_decode(self.config.tp_rank)
+            .ok()?
+            .into_iter()
+            .find_map(|l| match l.kind {
+                LinkKind::Data(slice) if l.prefill_rank == rank => Some(slice),
+                _ => None,
+            })?;
+        let side = CacheSide::new(&remote.spec, &remote.bases, remote.first_layer).ok()?;
+        let own =
+            CacheSide::new(&self.cache.spec, &self.cache.bases, self.cache.first_layer).ok()?;
+        match block_lists::prepare(
+            &mut self.transport,
+            remote.peer,
+            self.cache.memory,
+            &side,
+            &own,
+            slice,
+        ) {
+            Ok(lists) => Some(lists),
+            Err(reason) => {
+                tracing::info!(rank, %reason, "per-block lists not prepared; posting raw plans");
+                None
+            }
+        }
+    }
+
+    /// Releases what was set up for a remote rank.
+    fn forget_rank(&mut self, r: &RemoteRank) {
+        if let Some(l) = r.lists {
+            let _ = self.transport.release_list(l.local);
+            let _ = self.transport.release_list(l.remote);
+        }
+        let _ = self.transport.remove_peer(r.peer);
     }
 
     fn issue(&mut self, req: RecvRequest) {
@@ -519,8 +577,36 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             };
-            match link.kind {
-                LinkKind::Data(slice) if !local.is_empty() => {
+            let indexed = rank
+                .lists
+                .filter(|_| !local.is_empty() && block_lists::fragmented(remote, local));
+            match (link.kind, indexed) {
+                (LinkKind::Data(_), Some(lists)) => {
+                    let planning = self.clock.now();
+                    lists
+                        .indices(remote, local, &mut self.indices.0, &mut self.indices.1)
+                        .map_err(|e| (e, posted.clone()))?;
+                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
+                    let x = self
+                        .transport
+                        .post_indexed(
+                            Op::Read,
+                            lists.local,
+                            &self.indices.0,
+                            lists.remote,
+                            &self.indices.1,
+                            Some(&note),
+                        )
+                        .map_err(|e| (e.to_string(), posted.clone()))?;
+                    posted.push(x);
+                    let pairs = local.len() as u64;
+                    self.metrics.transfers += 1;
+                    self.metrics.indexed_transfers += 1;
+                    self.metrics.bytes += pairs * lists.bytes_per_block;
+                    self.metrics.descriptors_raw += pairs * lists.raw_per_block;
+                    self.metrics.descriptors_posted += self.indices.0.len() as u64;
+                }
+                (LinkKind::Data(slice), None) if !local.is_empty() => {
                     let side = CacheSide::new(&rank.spec, &rank.bases, rank.first_layer)
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     let pairs = BlockPairs {
@@ -754,7 +840,7 @@ impl<T: Transport> PullWorker<T> {
         for engine in std::mem::take(&mut self.engines).into_values() {
             if let Engine::Ready { ranks, .. } = engine {
                 for r in ranks.into_values() {
-                    let _ = self.transport.remove_peer(r.peer);
+                    self.forget_rank(&r);
                 }
             }
         }
