@@ -4,7 +4,6 @@
 
 pub mod chart;
 mod fill;
-mod host_mem;
 mod push;
 mod report;
 
@@ -108,7 +107,7 @@ pub enum BenchError {
 }
 
 pub(crate) struct Rank {
-    pub(crate) mem: host_mem::HostMem,
+    pub(crate) mem: kvxfer_core::host_mem::HostMem,
     pub(crate) spec: CacheSpec,
     pub(crate) first_head: u32,
     pub(crate) first_layer: u32,
@@ -117,7 +116,7 @@ pub(crate) struct Rank {
 impl Rank {
     pub(crate) fn new(spec: CacheSpec, first_head: u32) -> Self {
         Rank {
-            mem: host_mem::HostMem::new(spec.total_bytes() as usize, 0x5a),
+            mem: kvxfer_core::host_mem::HostMem::new(spec.total_bytes() as usize, 0x5a),
             spec,
             first_head,
             first_layer: 0,
@@ -435,7 +434,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
 /// Single-thread memcpy of `bytes` bytes from `src` in pieces of `piece` bytes (wrapping
 /// around the source and a 256 MiB destination): the baseline every ratio is taken against.
 pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration {
-    let mut scratch = host_mem::HostMem::new(src.len().min(256 << 20), 1);
+    let mut scratch = kvxfer_core::host_mem::HostMem::new(src.len().min(256 << 20), 1);
     let t = Instant::now();
     let mut copied = 0u64;
     let (mut s_at, mut d_at) = (0usize, 0usize);

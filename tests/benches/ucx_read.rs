@@ -21,8 +21,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
-use kvxfer_tests::anon_mem::AnonMem;
 use kvxfer_tests::memory::{Rng, fill};
 use kvxfer_tests::remote::RemoteAgent;
 use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
@@ -85,7 +85,7 @@ fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
         .expect("register source");
     let mut expected = vec![0u8; TOTAL as usize];
     fill(&mut expected, Some(1));
-    let dst = AnonMem::new(TOTAL as usize);
+    let dst = HostMem::new(TOTAL as usize, 1);
     let dst_reg = a
         .register(H, AddrRange::new(dst.addr(), TOTAL))
         .expect("register destination");
@@ -217,9 +217,9 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
 /// Median bytes/s of single-thread copies of the same blocks in the same order (`perm`
 /// None: the whole buffer as one copy).
 fn memcpy(rounds: usize, perm: Option<&[u64]>, how: Copier) -> f64 {
-    let mut src = AnonMem::new(TOTAL as usize);
+    let mut src = HostMem::new(TOTAL as usize, 1);
     fill(src.as_mut_slice(), Some(3));
-    let (src, mut dst) = (src, AnonMem::new(TOTAL as usize));
+    let (src, mut dst) = (src, HostMem::new(TOTAL as usize, 1));
     let (src, dst) = (src.as_slice(), dst.as_mut_slice());
     let mut times = Vec::new();
     for _ in 0..rounds + 1 {

@@ -5,7 +5,6 @@
 //! [`conformance_suite!`]; end-to-end connector scenarios ([`scenarios`]) run on every transport the same way.
 #![warn(missing_docs)]
 
-pub mod anon_mem;
 pub mod conformance;
 pub mod loopback;
 pub mod memory;

@@ -510,7 +510,7 @@ pub fn serve<T: Transport>(mut t: T) {
     let mut regs: std::collections::HashMap<u64, (Registration, Option<SharedMapping>)> =
         Default::default();
     let mut attached: std::collections::HashMap<u64, (SharedMapping, usize)> = Default::default();
-    let mut owned: Vec<crate::anon_mem::AnonMem> = Vec::new();
+    let mut owned: Vec<kvxfer_core::host_mem::HostMem> = Vec::new();
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     for line in stdin.lock().lines() {
@@ -525,7 +525,7 @@ pub fn serve<T: Transport>(mut t: T) {
         let shutdown = matches!(req, Request::Shutdown);
         let reply = match req {
             Request::AllocFilled { len, seed } => {
-                let mut m = crate::anon_mem::AnonMem::new(len as usize);
+                let mut m = kvxfer_core::host_mem::HostMem::new(len as usize, 1);
                 crate::memory::fill(m.as_mut_slice(), Some(seed));
                 let addr = m.addr();
                 owned.push(m);

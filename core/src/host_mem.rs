@@ -1,12 +1,13 @@
-//! The bench's cache memory: private anonymous mappings with transparent huge pages advised,
-//! every page touched up front — as an engine's preallocated host cache is (numpy, which the
-//! peer scripts use, advises huge pages for large arrays too). Page size matters to
-//! transports that reach memory through the kernel (UCX's CMA pins it page by page).
+//! Host memory for a KV cache: a private anonymous mapping with transparent huge pages
+//! advised and every page touched up front, as an engine's preallocated cache should be
+//! (numpy advises huge pages for large arrays too). Page size matters to transports that
+//! reach memory through the kernel: UCX's CMA pins it page by page. The bench and the
+//! benchmarks allocate their caches with it.
 
 use std::ops::{Deref, DerefMut};
 
 /// An anonymous mapping, unmapped on drop.
-pub(crate) struct HostMem {
+pub struct HostMem {
     ptr: *mut u8,
     len: usize,
 }
@@ -16,9 +17,9 @@ unsafe impl Send for HostMem {}
 unsafe impl Sync for HostMem {}
 
 impl HostMem {
-    /// `len` bytes, each set to `byte`. Panics if the system cannot map them (the bench
-    /// sizes its caches from the model, before any transfer).
-    pub(crate) fn new(len: usize, byte: u8) -> HostMem {
+    /// `len` bytes, each set to `byte`. Panics if the system cannot map them (callers size
+    /// caches up front, before any transfer).
+    pub fn new(len: usize, byte: u8) -> HostMem {
         let map_len = len.max(1);
         // SAFETY: a fresh private anonymous mapping, checked below.
         let ptr = unsafe {
@@ -46,6 +47,29 @@ impl HostMem {
         m.fill(byte);
         m
     }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// True when `[addr, addr + len)` lies inside this memory.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr()
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.addr() + self.len as u64)
+    }
 }
 
 impl Deref for HostMem {
@@ -68,5 +92,25 @@ impl Drop for HostMem {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping made in `new`.
         unsafe { libc::munmap(self.ptr.cast(), self.len.max(1)) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filled_writable_and_bounded() {
+        let mut m = HostMem::new(3 << 20, 7);
+        assert_eq!(m.len(), 3 << 20);
+        assert!(m.iter().all(|&b| b == 7));
+        m[5] = 9;
+        assert_eq!(m.as_slice()[5], 9);
+        let a = m.addr();
+        assert!(m.contains(a, 3 << 20));
+        assert!(!m.contains(a, (3 << 20) + 1));
+        assert!(!m.contains(a - 1, 1));
+        assert!(!m.contains(u64::MAX, 2));
+        assert!(HostMem::new(0, 1).is_empty());
     }
 }
