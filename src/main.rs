@@ -54,6 +54,24 @@ enum ModeArg {
     Push,
 }
 
+impl From<MemoryArg> for Memory {
+    fn from(m: MemoryArg) -> Memory {
+        match m {
+            MemoryArg::Host => Memory::Host,
+            MemoryArg::Gpu => Memory::Gpu,
+        }
+    }
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Pull => Mode::Pull,
+            ModeArg::Push => Mode::Push,
+        }
+    }
+}
+
 /// The cache shape every subcommand takes.
 #[derive(Args)]
 struct Shape {
@@ -307,10 +325,7 @@ fn main() -> ExitCode {
                 fragmented: !contiguous,
                 transport,
                 memory: Memory::Host,
-                mode: match mode {
-                    ModeArg::Pull => Mode::Pull,
-                    ModeArg::Push => Mode::Push,
-                },
+                mode: mode.into(),
                 seed,
                 connect: None,
                 transfer_timeout: std::time::Duration::from_secs(30),
@@ -375,14 +390,8 @@ fn main() -> ExitCode {
                 warmup,
                 fragmented: !contiguous,
                 transport,
-                memory: match memory {
-                    MemoryArg::Host => Memory::Host,
-                    MemoryArg::Gpu => Memory::Gpu,
-                },
-                mode: match mode {
-                    ModeArg::Pull => Mode::Pull,
-                    ModeArg::Push => Mode::Push,
-                },
+                memory: memory.into(),
+                mode: mode.into(),
                 seed,
                 connect,
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),

@@ -93,7 +93,7 @@ impl BenchReport {
     /// The table printed by `kvxfer bench`.
     pub fn table(&self) -> String {
         let mut s = String::new();
-        let rows: Vec<(&str, String)> = vec![
+        let mut rows: Vec<(&str, String)> = vec![
             (
                 "model",
                 format!(
@@ -148,7 +148,6 @@ impl BenchReport {
                 format!("{} bytes, all correct", self.verified_bytes),
             ),
         ];
-        let mut rows = rows;
         if self.library_reports > 0 {
             rows.insert(
                 rows.len() - 3,

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
+use kvxfer_core::transport::checks::new_region;
 use kvxfer_core::transport::{Deregister, RegistrationId};
-use kvxfer_core::{AddrRange, MemoryKind, Notification};
+use kvxfer_core::{AddrRange, MemoryKind, Notification, TransportError};
 
 /// A registered region. Copies pin it (`inflight`) so deregistration can wait for them.
 #[derive(Debug)]
@@ -107,21 +108,14 @@ impl AgentShared {
     }
 
     /// Adds a region; refuses empty ranges, wrap-around and overlaps.
-    pub fn add_region(&self, id: u64, kind: MemoryKind, range: AddrRange) -> Result<(), String> {
-        let end = range.end().ok_or("range wraps around the address space")?;
-        if range.len == 0 {
-            return Err("empty range".into());
-        }
+    pub fn add_region(
+        &self,
+        id: u64,
+        kind: MemoryKind,
+        range: AddrRange,
+    ) -> Result<(), TransportError> {
         let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = regions
-            .iter()
-            .find(|r| range.addr < r.range.addr + r.range.len && r.range.addr < end)
-        {
-            return Err(format!(
-                "overlaps registered region {:#x}+{}",
-                r.range.addr, r.range.len
-            ));
-        }
+        new_region(range, regions.iter().map(|r| r.range))?;
         let region = Arc::new(Region {
             id,
             kind,

@@ -398,9 +398,7 @@ impl Transport for LoopbackTransport {
     fn register(&mut self, kind: MemoryKind, range: AddrRange) -> TransportResult<Registration> {
         self.check_kind(kind)?;
         let id = self.next();
-        self.shared
-            .add_region(id, kind, range)
-            .map_err(TransportError::InvalidRegistration)?;
+        self.shared.add_region(id, kind, range)?;
         let owner: Arc<AgentShared> = Arc::clone(&self.shared);
         Ok(Registration::new(RegistrationId(id), kind, range, owner))
     }

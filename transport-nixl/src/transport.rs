@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvxfer_core::transport::checks::{PreparedLists, check_pairs, within};
+use kvxfer_core::transport::checks::{PreparedLists, check_pairs, new_region, within};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -125,11 +125,16 @@ impl Deregister for Regions {
 }
 
 impl Regions {
-    fn find(&self, kind: MemoryKind, r: &AddrRange) -> Option<AddrRange> {
+    /// The first of `ranges` no region of `kind` contains (one lock for the whole list).
+    fn first_outside(&self, kind: MemoryKind, ranges: &[AddrRange]) -> Option<AddrRange> {
         let h = self.handles.lock().unwrap_or_else(|e| e.into_inner());
-        h.values()
-            .find(|(k, range, _)| *k == kind && range.contains(r))
-            .map(|(_, range, _)| *range)
+        ranges
+            .iter()
+            .find(|r| {
+                !h.values()
+                    .any(|(k, range, _)| *k == kind && range.contains(r))
+            })
+            .copied()
     }
 
     fn list(&self) -> Vec<(MemoryKind, AddrRange)> {
@@ -245,17 +250,15 @@ impl NixlTransport {
     }
 
     fn check_local(&self, kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<()> {
-        for r in ranges {
-            if self.regions.find(kind, r).is_none() {
-                return Err(TransportError::OutOfBounds {
-                    addr: r.addr,
-                    len: r.len,
-                    kind,
-                    whose: "locally",
-                });
-            }
+        match self.regions.first_outside(kind, ranges) {
+            Some(r) => Err(TransportError::OutOfBounds {
+                addr: r.addr,
+                len: r.len,
+                kind,
+                whose: "locally",
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn check_remote(
@@ -367,12 +370,14 @@ impl NixlTransport {
             // NIXL refuses empty lists; posts from one are empty and never reach NIXL.
             return Ok(());
         }
+        // NIXL names a local list's owner "" (NIXL_INIT_AGENT), a remote one by its agent.
         let owner = match peer {
             Some(p) => self
                 .peers
                 .get(&p)
-                .map(|p| p.name.clone())
-                .unwrap_or_default(),
+                .ok_or(TransportError::UnknownPeer(p))?
+                .name
+                .clone(),
             None => String::new(),
         };
         let list = desc_list(kind, ranges)?;
@@ -498,22 +503,7 @@ impl Transport for NixlTransport {
                 reason: "not supported by this build yet".into(),
             });
         }
-        let end = range
-            .end()
-            .ok_or_else(|| TransportError::InvalidRegistration("range wraps around".into()))?;
-        if range.len == 0 {
-            return Err(TransportError::InvalidRegistration("empty range".into()));
-        }
-        if self
-            .regions
-            .list()
-            .iter()
-            .any(|(_, r)| range.addr < r.addr + r.len && r.addr < end)
-        {
-            return Err(TransportError::InvalidRegistration(
-                "overlaps a registered region".into(),
-            ));
-        }
+        new_region(range, self.regions.list().into_iter().map(|(_, r)| r))?;
         let raw = Raw {
             addr: range.addr,
             len: range.len,

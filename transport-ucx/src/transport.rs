@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::transport::checks::{check_pairs, within};
+use kvxfer_core::transport::checks::{check_pairs, new_region, within};
 use kvxfer_core::transport::{Deregister, Registration, RegistrationId};
 use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
@@ -405,21 +405,7 @@ impl Transport for UcxTransport {
                 reason: "this UCX library was built without CUDA support".into(),
             });
         }
-        let end = range
-            .end()
-            .ok_or_else(|| TransportError::InvalidRegistration("range wraps around".into()))?;
-        if range.len == 0 {
-            return Err(TransportError::InvalidRegistration("empty range".into()));
-        }
-        if st
-            .regions
-            .values()
-            .any(|r| range.addr < r.range.addr + r.range.len && r.range.addr < end)
-        {
-            return Err(TransportError::InvalidRegistration(
-                "overlaps a registered region".into(),
-            ));
-        }
+        new_region(range, st.regions.values().map(|r| r.range))?;
         let params = sys::ucp_mem_map_params_t {
             field_mask: (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
                 | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH

@@ -113,26 +113,21 @@ pub fn prepare<T: Transport>(
     own: &CacheSide<'_>,
     slice: HeadSlice,
 ) -> Result<BlockLists, String> {
+    // Both sides must share one pattern: the local pass sets it, the remote pass checks it.
     let mut pattern = None;
     let (nl, nr) = (own.spec().num_blocks(), remote.spec().num_blocks());
     let local = side_ranges(remote, own, slice, true, &mut pattern)?;
-    let Some(p) = pattern.take() else {
-        return Err("no blocks".into());
-    };
-    let per_block = p.lens.len() as u64;
+    let per_block = pattern.as_ref().map_or(0, |p| p.lens.len() as u64);
     if per_block == 0 || (u64::from(nl) + u64::from(nr)) * per_block > MAX_PREPARED {
         return Err(format!(
-            "{} descriptors per block over {} blocks: not prepared",
-            per_block,
+            "{per_block} descriptors per block over {} blocks: not prepared",
             nl + nr
         ));
     }
-    let mut check = Some(Pattern {
-        lens: p.lens.clone(),
-        raw: p.raw,
-        bytes: p.bytes,
-    });
-    let remote_ranges = side_ranges(remote, own, slice, false, &mut check)?;
+    let remote_ranges = side_ranges(remote, own, slice, false, &mut pattern)?;
+    let Some(p) = pattern else {
+        return Err("no blocks".into());
+    };
     let local_id = transport
         .prepare_local(memory, &local)
         .map_err(|e| e.to_string())?;

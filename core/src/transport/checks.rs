@@ -13,6 +13,30 @@ pub fn within(what: &'static str, count: usize, limit: usize) -> TransportResult
     Ok(())
 }
 
+/// Checks a range about to be registered: not empty, not wrapping around the address space,
+/// not overlapping any of `registered`. `InvalidRegistration` names what is wrong.
+pub fn new_region(
+    range: AddrRange,
+    registered: impl IntoIterator<Item = AddrRange>,
+) -> TransportResult<()> {
+    let end = range.end().ok_or_else(|| {
+        TransportError::InvalidRegistration("range wraps around the address space".into())
+    })?;
+    if range.len == 0 {
+        return Err(TransportError::InvalidRegistration("empty range".into()));
+    }
+    match registered
+        .into_iter()
+        .find(|r| range.addr < r.addr + r.len && r.addr < end)
+    {
+        Some(r) => Err(TransportError::InvalidRegistration(format!(
+            "overlaps registered region {:#x}+{}",
+            r.addr, r.len
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// An agent's prepared lists: what `prepare_*`, `release_list`, `post_indexed` and peer
 /// removal share. Ids come from the transport (one counter for all its ids).
 #[derive(Debug, Default)]
@@ -171,5 +195,15 @@ mod tests {
         assert!(check_pairs(&r, &r).is_ok());
         assert!(check_pairs(&r, &r[..1]).is_err());
         assert!(check_pairs(&r[..1], &[AddrRange::new(0, 5)]).is_err());
+    }
+
+    #[test]
+    fn new_regions_are_checked() {
+        let have = [AddrRange::new(0x1000, 0x100)];
+        assert!(new_region(AddrRange::new(0x1100, 0x10), have).is_ok());
+        assert!(new_region(AddrRange::new(0x10ff, 0x10), have).is_err());
+        assert!(new_region(AddrRange::new(0x0f00, 0x101), have).is_err());
+        assert!(new_region(AddrRange::new(0x2000, 0), have).is_err());
+        assert!(new_region(AddrRange::new(u64::MAX, 2), have).is_err());
     }
 }
