@@ -7,11 +7,17 @@
 # Prints the medians and three ratios: steady-state throughput, per-request CPU time to build
 # the request (everything before NIXL's own post call; NIXL's post is measured by its
 # telemetry and, on a machine without RDMA, moves the bytes itself), and first-transfer time.
-# Usage: scripts/bench-nixl.sh [ROUNDS]
+# Usage: scripts/bench-nixl.sh [ROUNDS | --smoke]
+#   --smoke  one round of 2 requests, to check the script end to end (figures not meaningful)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 rounds=${1:-3}
+requests=()
+if [ "$rounds" = "--smoke" ]; then
+    rounds=1
+    requests=(--requests 2)
+fi
 peer="$root/../shared/peers/vllm_style_nixl_bench.py"
 [ -f "$peer" ] || { echo "no $peer" >&2; exit 2; }
 eval "$(scripts/nixl-venv.sh)"
@@ -19,7 +25,7 @@ cargo build --release --features nixl -q
 out="$root/target/bench-nixl"
 mkdir -p "$out"
 for i in $(seq 1 "$rounds"); do
-    ./target/release/kvxfer bench --transport nixl --concurrency 1 --json "$out/kvxfer-$i.json" > "$out/kvxfer-$i.txt"
+    ./target/release/kvxfer bench --transport nixl --concurrency 1 "${requests[@]}" --json "$out/kvxfer-$i.json" > "$out/kvxfer-$i.txt"
     "$root/.venv-nixl/bin/python" "$peer" 32 256 128 > "$out/peer-$i.txt" 2>&1
 done
 python3 - "$out" "$rounds" <<'EOF'

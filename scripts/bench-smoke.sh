@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every benchmark the README documents in a smoke mode: a few iterations each, so a
+# benchmark or its script cannot rot unnoticed. Figures are printed, never asserted: they are
+# not meaningful at this size. Part of the test command (scripts/test.sh).
+# Needs the NIXL environment (scripts/test.sh --setup prints it) for the NIXL benchmarks.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+eval "$(scripts/nixl-venv.sh)"
+run() { printf -- '-- %s\n' "$*"; "$@"; }
+
+run scripts/bench-layout.sh --smoke
+if [ -f "$root/../shared/peers/vllm_style_nixl_bench.py" ]; then
+    run scripts/bench-nixl.sh --smoke
+else
+    echo "SKIP scripts/bench-nixl.sh: it compares against ../shared/peers, which is absent"
+fi
+run cargo bench -q -p kvxfer-transport-loopback --bench throughput -- \
+    --warm-up-time 0.05 --measurement-time 0.1
+# The harness-less benchmarks take their size as the first number on the command line; one
+# feature set for all four so they share one build.
+run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench pull_llama8b -- 2
+run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench soak -- 2000
+run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench ucx_read -- 1
+run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench nixl_post -- 1
+run cargo run -q --release -- bench --requests 2
+echo "benchmark smoke runs: all finished"

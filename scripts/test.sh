@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The test command: sets up everything the tests need on a Debian machine, then runs every
+# test CI runs. Safe to run again: each prerequisite is checked first and installed only when
+# missing (a second run spends seconds on set-up).
+#
+#   scripts/test.sh            set up, then: cargo test --workspace --all-features, a short
+#                              fuzz pass per target, every benchmark script in its smoke mode
+#   scripts/test.sh --setup    set up only, then print the environment to export
+#
+# Installing needs root (apt-get) and the package registries (Debian, PyPI); without them the
+# script names what is missing and how to get it, and stops before running anything.
+# The quick tier, `cargo test --workspace`, needs none of this (see README).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+setup_only=false
+case "${1:-}" in
+    --setup) setup_only=true ;;
+    "") ;;
+    *) echo "usage: scripts/test.sh [--setup]" >&2; exit 2 ;;
+esac
+
+say() { printf '== %s\n' "$*" >&2; }
+
+# Debian packages, each with the check that shows it is usable. libclang: bindgen for the NIXL
+# and UCX bindings; libucx-dev (>= 1.13): the UCX transport; ucx-utils: ucx_perftest, the UCX
+# benchmark's reference; python3-venv: the NIXL runtime's venv.
+missing=()
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+need_pkg() { have_pkg "$1" || missing+=("$1"); }
+for p in pkg-config gcc libclang-dev libucx-dev ucx-utils python3-venv; do need_pkg "$p"; done
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+        echo "missing Debian packages: ${missing[*]}" >&2
+        echo "install them as root: apt-get update && apt-get install -y ${missing[*]}" >&2
+        exit 2
+    fi
+    say "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }; then
+        echo "apt-get could not install: ${missing[*]} (no network or no Debian mirror?)" >&2
+        exit 2
+    fi
+fi
+command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first" >&2; exit 2; }
+pkg-config --atleast-version=1.13 ucx || {
+    echo "UCX >= 1.13 is needed (pkg-config ucx: $(pkg-config --modversion ucx 2>&1))" >&2
+    exit 2
+}
+
+# The NIXL runtime (PyPI wheel, no GPU needed) in .venv-nixl, and its environment.
+if ! nixl_env=$(scripts/nixl-venv.sh); then
+    echo "could not set up the NIXL runtime in .venv-nixl (pip install nixl-cu12==1.5.1 numpy from PyPI)" >&2
+    exit 2
+fi
+eval "$nixl_env"
+if $setup_only; then
+    printf '%s\n' "$nixl_env"
+    exit 0
+fi
+
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+say "cargo test --workspace --all-features"
+cargo test --workspace --all-features
+
+say "fuzzing: 10 s per target"
+scripts/fuzz.sh 10
+
+say "benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time)"
+scripts/bench-smoke.sh
