@@ -42,7 +42,7 @@ enum Order {
 enum MemoryArg {
     /// Host (CPU) memory.
     Host,
-    /// GPU memory (needs the `cuda` feature and a device).
+    /// GPU memory: not supported by `bench` yet (refused with a message).
     Gpu,
 }
 
@@ -155,7 +155,8 @@ enum Command {
         raw_posts: bool,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
-    /// its caches and answers reads until Ctrl-C (or `--duration`).
+    /// its caches and serves them until Ctrl-C (or `--duration`): answers reads in pull mode,
+    /// writes every room a decode asks for in push mode.
     #[command(args_override_self = true)]
     Serve {
         #[command(flatten)]
@@ -167,7 +168,8 @@ enum Command {
         /// hosts, an explicit choice).
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
-        /// Side-channel base port (rank r listens on PORT + r).
+        /// Side-channel base port (pull: rank r listens on PORT + r; push: the bootstrap
+        /// registry listens on PORT, the ranks' mailboxes on ephemeral ports).
         #[arg(long, default_value_t = 5600)]
         port: u16,
         /// Stop after this many seconds (default: until Ctrl-C).

@@ -250,7 +250,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     crate::transports::availability(c.transport)?;
     if c.memory == Memory::Gpu {
         return Err(BenchError::Config(
-            "GPU memory in `bench` is not supported yet; use --memory host (the loopback's GPU path is exercised by `cargo test --features cuda` on a machine with a device)".into(),
+            "GPU memory in `bench` is not supported yet; use --memory host (the loopback's GPU path is compiled with `--features cuda` but has not run on a GPU yet)".into(),
         ));
     }
     if c.requests == 0 || c.concurrency == 0 || c.tokens_per_request == 0 || c.block_size == 0 {

@@ -1,7 +1,7 @@
-//! The conformance suite on UCX in one process (two agents): over shared memory with no
-//! progress thread (progress only from polling), and over TCP loopback, where UCX emulates
-//! RMA with messages the target must progress, with the progress thread on. The pull and
-//! push scenario lists run over shared memory.
+//! The conformance suite on UCX in one process (two agents): over shared memory, and over TCP
+//! loopback, where UCX emulates RMA with messages the target must progress; both with the
+//! progress thread on (the mode without it is not covered yet). The pull and push scenario
+//! lists run over shared memory.
 #![cfg(feature = "ucx")]
 
 use std::time::Duration;

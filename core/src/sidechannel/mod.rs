@@ -1,6 +1,7 @@
 //! The side channel: one ZMQ ROUTER listener per TP rank serving handshake metadata, and a
-//! REQ client that fetches it, with a timeout on every wait. Wire-compatible with the
-//! reference pull connector (request `get_meta_msg`, reply a msgpack map).
+//! REQ client that fetches it, with a timeout on every wait. Framed as vLLM 0.9.1's
+//! NixlConnector frames it (request `get_meta_msg`, reply one msgpack map); what the map
+//! carries pairs kvxfer with kvxfer only (see `wire::handshake`).
 
 pub mod auth;
 mod client;

@@ -1,5 +1,5 @@
 //! Transfer parameters handed from the prefill side to the decode side through the P/D
-//! proxy, with the reference connector's JSON keys so existing proxies pass them unchanged.
+//! proxy, with vLLM 0.9.1's JSON keys (vLLM 0.32's nested `remote_block_ids` is not accepted).
 
 use serde::{Deserialize, Serialize};
 
