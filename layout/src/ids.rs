@@ -1,5 +1,5 @@
-//! Descriptor ids for prepared (region, block) lists, numbered as the reference pull
-//! connector numbers them: `region * num_blocks + block`, and per-layer windows.
+//! Descriptor ids for prepared (region, block) lists, numbered as vLLM's NixlConnector
+//! numbers them: `region * num_blocks + block`, and per-layer windows.
 
 use crate::error::in_range;
 use crate::{CacheKind, CacheSpec, LayoutError, Result};
@@ -9,7 +9,7 @@ pub fn layer_regions(spec: &CacheSpec, layer: u32) -> Result<std::ops::Range<u32
     in_range(layer.into(), spec.num_layers().into(), "layer")?;
     Ok(match spec.kind() {
         CacheKind::SplitKv => layer * 2..layer * 2 + 2,
-        CacheKind::JointKv | CacheKind::Mla => layer..layer + 1,
+        CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => layer..layer + 1,
     })
 }
 

@@ -119,13 +119,14 @@ impl PpSplit {
     }
 
     /// Maps index `j` of a stage's pointer list onto the pointer list of a side holding all
-    /// layers, in the push connector's ordering: `[K_0..K_{n-1}, V_0..V_{n-1}]` for K/V
-    /// caches (`dst[s + j]` for K, `dst[T + s + j - n]` for V), one pointer per layer for MLA.
+    /// layers, in the push connector's ordering: `[K_0..K_{n-1}, V_0..V_{n-1}]` for split K/V
+    /// caches (`dst[s + j]` for K, `dst[T + s + j - n]` for V), one pointer per layer for
+    /// joint, packed and MLA caches.
     pub fn kv_pointer_index(&self, stage: u32, kind: CacheKind, j: u32) -> Result<u32> {
         let range = self.stage(stage)?;
         let per_stage = match kind {
             CacheKind::SplitKv => range.count * 2,
-            CacheKind::JointKv | CacheKind::Mla => range.count,
+            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => range.count,
         };
         if j >= per_stage {
             return Err(LayoutError::OutOfRange {

@@ -1,7 +1,7 @@
 //! Cache specs: the shape of one rank's KV cache and the byte offsets inside it.
 //!
-//! A spec *describes* memory; it never allocates it. Regions are numbered the way the
-//! reference pull connector numbers them: split K/V gives `[K0, V0, K1, V1, ...]`, joint
+//! A spec *describes* memory; it never allocates it. Regions are numbered the way vLLM's
+//! NixlConnector numbers them: split K/V gives `[K0, V0, K1, V1, ...]`; joint K/V, packed
 //! K/V and MLA give one region per layer.
 
 use std::fmt;
@@ -22,6 +22,11 @@ pub enum CacheKind {
     JointKv,
     /// Multi-head latent attention: one region per layer, one latent vector per token.
     Mla,
+    /// One region per layer; every (head, token) slot holds that head's K vector followed by
+    /// its V vector. vLLM 0.32's CPU cache, `[blocks, heads, tokens, 2 * head_dim]` (HND),
+    /// and the packed layout vLLM's GPU FlashAttention moved to. K and V move together, as
+    /// one part ([`Part::PackedKv`]) whose head-token slot is `2 * head_dim` elements.
+    PackedKv,
 }
 
 impl fmt::Display for CacheKind {
@@ -30,6 +35,7 @@ impl fmt::Display for CacheKind {
             CacheKind::SplitKv => "split-kv",
             CacheKind::JointKv => "joint-kv",
             CacheKind::Mla => "mla",
+            CacheKind::PackedKv => "packed-kv",
         })
     }
 }
@@ -61,6 +67,9 @@ pub enum Part {
     Value,
     /// The MLA latent (the only part of an MLA layer).
     Latent,
+    /// K and V of a packed cache, interleaved per head and token (the only part of a
+    /// packed layer).
+    PackedKv,
 }
 
 /// The parameters of a cache spec, all public so callers can build them literally.
@@ -89,7 +98,7 @@ pub struct CacheParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CacheSpec {
     params: CacheParams,
-    /// Bytes of one head of one token.
+    /// Bytes of one head of one token (K and V together in a packed cache).
     head_token_bytes: u64,
     /// Bytes of one part (K, V or latent) of one block.
     part_block_len: u64,
@@ -159,7 +168,13 @@ impl CacheSpec {
                 params.kv_heads
             )));
         }
-        let head_token_bytes = mul(params.head_dim.into(), params.dtype.width(), "head bytes")?;
+        let vectors_per_slot = if params.kind == CacheKind::PackedKv {
+            2
+        } else {
+            1
+        };
+        let head_elements = mul(params.head_dim.into(), vectors_per_slot, "head elements")?;
+        let head_token_bytes = mul(head_elements, params.dtype.width(), "head bytes")?;
         let token_bytes = mul(head_token_bytes, params.kv_heads.into(), "token bytes")?;
         let part_block_len = mul(
             token_bytes,
@@ -235,14 +250,16 @@ impl CacheSpec {
         match self.params.kind {
             // num_layers <= MAX_DIM, so doubling cannot overflow.
             CacheKind::SplitKv => self.params.num_layers * 2,
-            CacheKind::JointKv | CacheKind::Mla => self.params.num_layers,
+            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => self.params.num_layers,
         }
     }
 
-    /// The parts of every layer: `[Key, Value]`, or `[Latent]` for MLA.
+    /// The parts of every layer: `[Key, Value]`, `[Latent]` for MLA, `[PackedKv]` for a
+    /// packed cache.
     pub fn parts(&self) -> &'static [Part] {
         match self.params.kind {
             CacheKind::Mla => &[Part::Latent],
+            CacheKind::PackedKv => &[Part::PackedKv],
             CacheKind::SplitKv | CacheKind::JointKv => &[Part::Key, Part::Value],
         }
     }
@@ -257,7 +274,7 @@ impl CacheSpec {
         self.part_block_len
     }
 
-    /// Bytes of one head of one token.
+    /// Bytes of one head of one token (its K and V together in a packed cache).
     pub fn head_token_bytes(&self) -> u64 {
         self.head_token_bytes
     }
@@ -288,6 +305,7 @@ impl CacheSpec {
             (CacheKind::JointKv, Part::Key) => (layer, 0),
             (CacheKind::JointKv, Part::Value) => (layer, self.part_block_len),
             (CacheKind::Mla, Part::Latent) => (layer, 0),
+            (CacheKind::PackedKv, Part::PackedKv) => (layer, 0),
             (kind, part) => {
                 return Err(LayoutError::Unsupported(format!(
                     "a {kind} cache has no {part:?} part"
@@ -446,6 +464,63 @@ mod tests {
         assert!(matches!(
             CacheSpec::new(p),
             Err(LayoutError::Unsupported(_))
+        ));
+    }
+
+    /// vLLM 0.32's CPU cache: per layer `[blocks, heads, tokens, 2 * head_dim]`, contiguous.
+    fn vllm_cpu(heads: u32, head_dim: u32, dtype: Dtype) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: CacheKind::PackedKv,
+            order: BlockOrder::Hnd,
+            dtype,
+            num_layers: 2,
+            kv_heads: heads,
+            head_dim,
+            tokens_per_block: 32,
+            num_blocks: 16,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn packed_kv_matches_vllm_cpu_tensor_strides() {
+        // The tiny fp32 model of ../shared/realvllm: 32 KiB per block per layer.
+        let s = vllm_cpu(2, 64, Dtype::F32);
+        assert_eq!(s.num_regions(), 2);
+        assert_eq!(s.parts(), &[Part::PackedKv]);
+        assert_eq!(s.block_len(), 2 * 32 * 2 * 64 * 4);
+        assert_eq!(s.block_len(), 32 << 10);
+        assert_eq!(s.head_token_bytes(), 2 * 64 * 4);
+        // Llama-3-8B's geometry in bf16: 128 KiB per block per layer.
+        assert_eq!(vllm_cpu(8, 128, Dtype::Bf16).block_len(), 128 << 10);
+        // Element [b, h, t, c] sits at ((b * H + h) * T + t) * 2D + c; c < D is K, else V.
+        let (h_n, t_n, d, w) = (2u64, 32u64, 64u64, 4u64);
+        for (b, h, t) in [(0u32, 0u32, 0u32), (3, 1, 31), (15, 0, 7)] {
+            let (region, r) = s.head_token_range(1, Part::PackedKv, b, t, h).unwrap();
+            let at = ((u64::from(b) * h_n + u64::from(h)) * t_n + u64::from(t)) * 2 * d * w;
+            assert_eq!((region, r.offset, r.len), (1, at, 2 * d * w));
+            let tok = s.token_bytes(1, Part::PackedKv, b, t).unwrap();
+            assert_eq!(
+                (tok.count, tok.len, tok.stride),
+                (2, 2 * d * w, t_n * 2 * d * w)
+            );
+        }
+        assert_eq!(s.locate(1, Part::PackedKv).unwrap().region, 1);
+        for part in [Part::Key, Part::Value, Part::Latent] {
+            assert!(s.locate(0, part).is_err());
+        }
+        // Split K/V has no packed part.
+        let split = llama8b(CacheKind::SplitKv, BlockOrder::Hnd);
+        assert!(split.locate(0, Part::PackedKv).is_err());
+        // A head dim whose doubled slot overflows is a typed error.
+        let mut p = *s.params();
+        p.head_dim = MAX_DIM;
+        p.kv_heads = MAX_DIM;
+        p.tokens_per_block = MAX_DIM;
+        p.num_blocks = u32::MAX;
+        assert!(matches!(
+            CacheSpec::new(p),
+            Err(LayoutError::Overflow { .. })
         ));
     }
 

@@ -348,3 +348,80 @@ fn bad_plans_are_typed_errors() {
     ));
     assert!(CacheSide::new(&s, &[0], 0).is_err());
 }
+
+#[test]
+fn packed_kv_hnd_head_slice_is_one_piece_per_block_with_k_and_v() {
+    // vLLM's CPU layout [blocks, heads, tokens, 2 * head_dim]: prefill TP 1 with 4 heads,
+    // decode TP 2 with 2. Decode rank 1 reads heads 2..4 of each block: one contiguous piece
+    // holding both heads' K and V for every token, formula-checked against the tensor shape.
+    let (heads, head_dim, tokens) = (4u64, 8u64, 4u64);
+    let p = spec(CacheKind::PackedKv, BlockOrder::Hnd, 2, 4, 8, 4, 8);
+    let d = spec(CacheKind::PackedKv, BlockOrder::Hnd, 2, 2, 8, 4, 8);
+    let (pb, db) = (bases(&p, 0x1000_0000, 4096), bases(&d, 0x9000_0000, 4096));
+    let (ps, ds) = (
+        CacheSide::new(&p, &pb, 0).unwrap(),
+        CacheSide::new(&d, &db, 0).unwrap(),
+    );
+    let m = TpMapping::new(1, 2, HeadSharding::Split { total_kv_heads: 4 }).unwrap();
+    let link = m.links_for_decode(1).unwrap()[0];
+    let out = plan(&ps, &ds, slice_of(&link), &[5, 1], &[2, 6], false);
+    // One part per layer: 2 layers x 2 blocks.
+    assert_eq!(out.raw_count, 2 * 2);
+    let elt = 2; // f16
+    let slot = 2 * head_dim * elt; // K and V of one head-token
+    let first = out.descriptors()[0];
+    assert_eq!(
+        first.src,
+        pb[0] + (5 * heads + 2) * tokens * slot,
+        "block 5, head 2, token 0"
+    );
+    assert_eq!(first.dst, db[0] + 2 * 2 * tokens * slot);
+    assert_eq!(first.len, 2 * tokens * slot);
+    assert_eq!(first.len, d.block_len());
+    // Layer 1 lives in the second region.
+    assert_eq!(
+        out.descriptors()[2].src,
+        pb[1] + (5 * heads + 2) * tokens * slot
+    );
+}
+
+#[test]
+fn packed_kv_nhd_head_slice_is_one_piece_per_token() {
+    // [blocks, tokens, heads, 2 * head_dim]: a head slice repeats once per token.
+    let p = spec(CacheKind::PackedKv, BlockOrder::Nhd, 1, 4, 8, 4, 8);
+    let d = spec(CacheKind::PackedKv, BlockOrder::Nhd, 1, 2, 8, 4, 8);
+    let (pb, db) = (bases(&p, 0, 64), bases(&d, 1 << 20, 64));
+    let (ps, ds) = (
+        CacheSide::new(&p, &pb, 0).unwrap(),
+        CacheSide::new(&d, &db, 0).unwrap(),
+    );
+    let slice = HeadSlice {
+        src_first: 2,
+        dst_first: 0,
+        count: 2,
+    };
+    let out = plan(&ps, &ds, slice, &[1], &[3], true);
+    assert_eq!(out.descriptors().len(), 4, "one piece per token");
+    let slot = 2 * 8 * 2;
+    let descs = out.descriptors();
+    assert_eq!(descs[0].src, pb[0] + p.block_len() + 2 * slot);
+    assert_eq!(descs[0].len, 2 * slot);
+    assert_eq!(descs[1].src - descs[0].src, 4 * slot, "next token");
+    assert_eq!(descs[1].dst - descs[0].dst, 2 * slot);
+    // Packed and split caches never pair.
+    let split = spec(CacheKind::SplitKv, BlockOrder::Nhd, 1, 2, 8, 4, 8);
+    let sb = bases(&split, 1 << 20, 64);
+    let ss = CacheSide::new(&split, &sb, 0).unwrap();
+    let pairs = BlockPairs {
+        src: &[1],
+        dst: &[3],
+        windows: None,
+    };
+    assert!(matches!(
+        plan_transfer(&ps, &ss, slice, &pairs, PlanOptions::default()),
+        Err(LayoutError::Mismatch {
+            field: "cache kind",
+            ..
+        })
+    ));
+}

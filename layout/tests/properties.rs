@@ -79,7 +79,8 @@ fn config() -> impl Strategy<Value = Config> {
     let kinds = prop_oneof![
         Just(CacheKind::SplitKv),
         Just(CacheKind::JointKv),
-        Just(CacheKind::Mla)
+        Just(CacheKind::Mla),
+        Just(CacheKind::PackedKv)
     ];
     let orders = prop_oneof![Just(BlockOrder::Hnd), Just(BlockOrder::Nhd)];
     let pow2 = |max: u32| (0..=max).prop_map(|e| 1u32 << e);
@@ -290,7 +291,7 @@ proptest! {
 
     #[test]
     fn descriptor_ids_unique_and_in_range(
-        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla)],
+        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla), Just(CacheKind::PackedKv)],
         layers in 1u32..40,
         blocks in 1u32..300,
         picks in prop::collection::btree_set(0u32..300, 0..64),
@@ -318,7 +319,7 @@ proptest! {
         vals in prop::collection::vec(prop_oneof![Just(0u32), Just(1), Just(u32::MAX), Just(MAX_DIM), Just(MAX_DIM + 1), any::<u32>(), 0u32..64], 12),
         bases_in in prop::collection::vec(prop_oneof![Just(0u64), Just(u64::MAX), any::<u64>()], 0..6),
         blocks in prop::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), any::<u32>(), 0u32..8], 0..6),
-        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla)],
+        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla), Just(CacheKind::PackedKv)],
         order in prop_oneof![Just(BlockOrder::Hnd), Just(BlockOrder::Nhd)],
     ) {
         let params = CacheParams {

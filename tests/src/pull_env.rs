@@ -103,6 +103,7 @@ pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e
         Part::Key => 1u64,
         Part::Value => 2,
         Part::Latent => 3,
+        Part::PackedKv => 4,
     };
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in [

@@ -63,7 +63,7 @@ pub struct HandshakeMeta {
 /// A cache spec on the wire, with the model-wide facts a compatibility check needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayoutWire {
-    /// `split-kv`, `joint-kv` or `mla`.
+    /// `split-kv`, `joint-kv`, `mla` or `packed-kv`.
     pub kind: String,
     /// `HND` or `NHD`.
     pub order: String,
@@ -120,6 +120,7 @@ impl LayoutWire {
             "split-kv" => CacheKind::SplitKv,
             "joint-kv" => CacheKind::JointKv,
             "mla" => CacheKind::Mla,
+            "packed-kv" => CacheKind::PackedKv,
             other => return Err(invalid(format!("unknown cache kind {other:?}"))),
         };
         let order = match self.order.as_str() {

@@ -121,7 +121,8 @@ pub fn tp_combinations_move_the_right_bytes<F: TransportFactory>(f: &F) {
     }
 }
 
-/// Fewer KV heads than ranks (replication both ways), MLA and joint K/V.
+/// Fewer KV heads than ranks (replication both ways), MLA, joint K/V, and packed K/V (vLLM's
+/// CPU cache) split across decode ranks and gathered from prefill ranks.
 pub fn replicated_heads_and_mla<F: TransportFactory>(f: &F) {
     // 2 KV heads on 4 decode ranks: source heads [0, 0, 1, 1].
     pull_roundtrip(f, Model::small(BlockOrder::Hnd, 2), 1, 4, "repl");
@@ -133,6 +134,10 @@ pub fn replicated_heads_and_mla<F: TransportFactory>(f: &F) {
     let mut joint = Model::small(BlockOrder::Hnd, 4);
     joint.kind = kvxfer_layout::CacheKind::JointKv;
     pull_roundtrip(f, joint, 1, 2, "joint");
+    let mut packed = Model::small(BlockOrder::Hnd, 4);
+    packed.kind = kvxfer_layout::CacheKind::PackedKv;
+    pull_roundtrip(f, packed, 1, 2, "packed");
+    pull_roundtrip(f, packed, 2, 1, "packed-p");
 }
 
 /// Five requests in flight at once on TP 2:2; each reported once, when both ranks are done.
