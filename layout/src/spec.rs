@@ -5,6 +5,7 @@
 //! K/V and MLA give one region per layer.
 
 use std::fmt;
+use std::str::FromStr;
 
 use crate::error::{in_range, mul, nonzero};
 use crate::{Dtype, LayoutError, Result};
@@ -40,6 +41,23 @@ impl fmt::Display for CacheKind {
     }
 }
 
+impl FromStr for CacheKind {
+    type Err = LayoutError;
+
+    /// Parses the names [`CacheKind`]'s `Display` writes.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "split-kv" => Ok(CacheKind::SplitKv),
+            "joint-kv" => Ok(CacheKind::JointKv),
+            "mla" => Ok(CacheKind::Mla),
+            "packed-kv" => Ok(CacheKind::PackedKv),
+            other => Err(LayoutError::Unsupported(format!(
+                "unknown cache kind {other:?} (known: split-kv, joint-kv, mla, packed-kv)"
+            ))),
+        }
+    }
+}
+
 /// Order of the dimensions inside one block of one part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockOrder {
@@ -55,6 +73,21 @@ impl fmt::Display for BlockOrder {
             BlockOrder::Hnd => "HND",
             BlockOrder::Nhd => "NHD",
         })
+    }
+}
+
+impl FromStr for BlockOrder {
+    type Err = LayoutError;
+
+    /// Parses `HND` or `NHD` (any case).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_uppercase().as_str() {
+            "HND" => Ok(BlockOrder::Hnd),
+            "NHD" => Ok(BlockOrder::Nhd),
+            _ => Err(LayoutError::Unsupported(format!(
+                "unknown block order {s:?} (known: HND, NHD)"
+            ))),
+        }
     }
 }
 
@@ -522,6 +555,24 @@ mod tests {
             CacheSpec::new(p),
             Err(LayoutError::Overflow { .. })
         ));
+    }
+
+    #[test]
+    fn kinds_and_orders_parse_what_they_print() {
+        for k in [
+            CacheKind::SplitKv,
+            CacheKind::JointKv,
+            CacheKind::Mla,
+            CacheKind::PackedKv,
+        ] {
+            assert_eq!(k.to_string().parse::<CacheKind>().unwrap(), k);
+        }
+        for o in [BlockOrder::Hnd, BlockOrder::Nhd] {
+            assert_eq!(o.to_string().parse::<BlockOrder>().unwrap(), o);
+        }
+        assert_eq!("nhd".parse::<BlockOrder>().unwrap(), BlockOrder::Nhd);
+        assert!("packed".parse::<CacheKind>().is_err());
+        assert!("HDN".parse::<BlockOrder>().is_err());
     }
 
     #[test]

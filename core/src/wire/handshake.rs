@@ -116,18 +116,8 @@ impl LayoutWire {
             what: "layout",
             reason,
         };
-        let kind = match self.kind.as_str() {
-            "split-kv" => CacheKind::SplitKv,
-            "joint-kv" => CacheKind::JointKv,
-            "mla" => CacheKind::Mla,
-            "packed-kv" => CacheKind::PackedKv,
-            other => return Err(invalid(format!("unknown cache kind {other:?}"))),
-        };
-        let order = match self.order.as_str() {
-            "HND" => BlockOrder::Hnd,
-            "NHD" => BlockOrder::Nhd,
-            other => return Err(invalid(format!("unknown block order {other:?}"))),
-        };
+        let kind: CacheKind = self.kind.parse().map_err(|e| invalid(format!("{e}")))?;
+        let order: BlockOrder = self.order.parse().map_err(|e| invalid(format!("{e}")))?;
         let dtype: Dtype = self.dtype.parse().map_err(|e| invalid(format!("{e}")))?;
         CacheSpec::new(CacheParams {
             kind,
