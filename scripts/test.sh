@@ -55,6 +55,13 @@ if ! nixl_env=$(scripts/nixl-venv.sh); then
     exit 2
 fi
 eval "$nixl_env"
+
+# The Python toolchain for the bindings (.venv-py: maturin, pytest, ruff, numpy) and the
+# kvxfer package built from this checkout.
+if ! py=$(scripts/python-venv.sh); then
+    echo "could not set up .venv-py (python3 -m venv; pip install maturin pytest ruff numpy from PyPI)" >&2
+    exit 2
+fi
 if $setup_only; then
     printf '%s\n' "$nixl_env"
     exit 0
@@ -63,6 +70,12 @@ fi
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 say "cargo test --workspace --all-features"
 cargo test --workspace --all-features
+
+say "Python package: ruff, then pytest"
+"$root/.venv-py/bin/ruff" check python
+"$root/.venv-py/bin/ruff" format --check python
+# From the root, so the installed package is imported, not python/kvxfer's sources.
+"$py" -m pytest -q -p no:cacheprovider -rs python/tests
 
 say "fuzzing: 10 s per target"
 scripts/fuzz.sh 10

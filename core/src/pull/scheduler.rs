@@ -3,12 +3,14 @@
 
 use std::collections::HashSet;
 
+use serde::{Deserialize, Serialize};
+
 use crate::wire::WireError;
 use crate::wire::params::KvTransferParams;
 
 /// A load the workers must start: read `remote.block_ids` (their tail) into `local_block_ids`.
 /// An empty `local_block_ids` (full local prefix hit) only notifies the prefill.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvRequest {
     /// Request id.
     pub req_id: String,
@@ -24,8 +26,9 @@ pub struct RecvRequest {
     pub remote_block_ids: Vec<u32>,
 }
 
-/// What the workers do in one step.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What the workers do in one step. Serializable: an engine whose scheduler and workers
+/// live in different processes ships it between them (the Python binding as JSON).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepMeta {
     /// Loads to start (decode side).
     pub recv: Vec<RecvRequest>,

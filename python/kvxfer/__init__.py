@@ -1,0 +1,54 @@
+"""kvxfer: moves KV-cache blocks between prefill and decode engines.
+
+The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
+
+- :class:`Agent` — one transport agent (``loopback``, ``ucx`` or ``nixl``): register memory,
+  exchange metadata, READ/WRITE with notifications, poll status, drain notifications.
+- :class:`PullScheduler` and :class:`PullWorker` — the two halves of the pull connector
+  (decode READs the prefill's blocks); what crosses between them is JSON text.
+- The exceptions, all subclasses of :class:`KvxferError`.
+"""
+
+from kvxfer._kvxfer import (
+    Agent,
+    BackendError,
+    InvalidArgumentError,
+    InvalidMemoryError,
+    InvalidMetadataError,
+    KvxferError,
+    LayoutError,
+    NotAvailableError,
+    NotSupportedError,
+    OutOfBoundsError,
+    PeerGoneError,
+    PullScheduler,
+    PullWorker,
+    ShutDownError,
+    SideChannelError,
+    TransferFailedError,
+    TransferTimeoutError,
+    UnknownPeerError,
+    __version__,
+)
+
+__all__ = [
+    "Agent",
+    "BackendError",
+    "InvalidArgumentError",
+    "InvalidMemoryError",
+    "InvalidMetadataError",
+    "KvxferError",
+    "LayoutError",
+    "NotAvailableError",
+    "NotSupportedError",
+    "OutOfBoundsError",
+    "PeerGoneError",
+    "PullScheduler",
+    "PullWorker",
+    "ShutDownError",
+    "SideChannelError",
+    "TransferFailedError",
+    "TransferTimeoutError",
+    "UnknownPeerError",
+    "__version__",
+]

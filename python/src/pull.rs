@@ -1,0 +1,346 @@
+//! The pull connector halves for Python: `PullScheduler` (the engine scheduler's
+//! bookkeeping) and `PullWorker` (one TP rank's worker: registration, side channel, READs,
+//! leases, heartbeats). What travels from scheduler to workers (`build_step_meta`) and
+//! between engines (`kv_transfer_params`) is JSON text, so an engine can pickle or forward it.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvxfer::AnyTransport;
+use kvxfer_core::clock::SystemClock;
+use kvxfer_core::pull::{FailurePolicy, KvCache, PullConfig, PullMetrics, StepMeta};
+use kvxfer_core::wire::params::KvTransferParams;
+use kvxfer_core::{MemoryKind, pull};
+use kvxfer_layout::{CacheParams, CacheSpec};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::agent::{memory_kind, transport_kind};
+use crate::errors::{self, InvalidArgumentError, LayoutError, ShutDownError, SideChannelError};
+use crate::memory::check_host_mapped;
+
+/// Largest step metadata accepted from the engine (block lists of many long prompts).
+const MAX_STEP_META_BYTES: usize = 64 << 20;
+
+fn params(json: Option<&str>) -> PyResult<Option<KvTransferParams>> {
+    json.map(|j| KvTransferParams::from_json(j.as_bytes()))
+        .transpose()
+        .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
+}
+
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            InvalidArgumentError::new_err(format!("{what} must be a positive number of seconds"))
+        })
+}
+
+/// The scheduler half: which requests load from a remote prefill, which the prefill holds.
+#[pyclass(module = "kvxfer._kvxfer")]
+pub struct PullScheduler {
+    inner: pull::PullScheduler,
+}
+
+#[pymethods]
+impl PullScheduler {
+    /// A scheduler for `engine_id`, whose workers' side channels listen at `host:port`.
+    #[new]
+    fn new(engine_id: &str, host: &str, port: u16) -> Self {
+        PullScheduler {
+            inner: pull::PullScheduler::new(engine_id, host, port),
+        }
+    }
+
+    /// `(tokens, load_async)`: prompt tokens to load from the remote prefill.
+    #[pyo3(signature = (params_json, prompt_len, num_computed_tokens))]
+    fn tokens_to_load(
+        &self,
+        params_json: Option<&str>,
+        prompt_len: usize,
+        num_computed_tokens: usize,
+    ) -> PyResult<(usize, bool)> {
+        let p = params(params_json)?;
+        Ok(self
+            .inner
+            .tokens_to_load(p.as_ref(), prompt_len, num_computed_tokens))
+    }
+
+    /// Records a request after block allocation; returns its updated params JSON.
+    fn after_alloc(
+        &mut self,
+        req_id: &str,
+        params_json: &str,
+        uncomputed_blocks: Vec<u32>,
+        num_external_tokens: usize,
+    ) -> PyResult<String> {
+        let mut p = params(Some(params_json))?.unwrap_or_default();
+        self.inner
+            .after_alloc(req_id, &mut p, &uncomputed_blocks, num_external_tokens)
+            .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
+        Ok(p.to_json())
+    }
+
+    /// The step's metadata for the workers, as JSON (the next call starts empty).
+    fn build_step_meta(&mut self) -> String {
+        // Plain strings and integers: serializing cannot fail.
+        serde_json::to_string(&self.inner.build_step_meta()).unwrap_or_default()
+    }
+
+    /// `(delay_free, params_json or None)` for a request finishing on the prefill side.
+    fn request_finished(
+        &mut self,
+        req_id: &str,
+        params_json: Option<&str>,
+        length_capped: bool,
+        block_ids: Vec<u32>,
+    ) -> PyResult<(bool, Option<String>)> {
+        let p = params(params_json)?;
+        let d = self
+            .inner
+            .request_finished(req_id, p.as_ref(), length_capped, &block_ids);
+        Ok((d.delay_free, d.params.map(|p| p.to_json())))
+    }
+}
+
+/// One TP rank's worker over a transport of its own.
+#[pyclass(module = "kvxfer._kvxfer", frozen)]
+pub struct PullWorker {
+    inner: Mutex<Option<pull::PullWorker<AnyTransport>>>,
+}
+
+impl PullWorker {
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut pull::PullWorker<AnyTransport>) -> PyResult<R> + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            let mut guard: MutexGuard<'_, _> = self.inner.lock().map_err(|_| {
+                errors::KvxferError::new_err("worker state poisoned by an earlier panic")
+            })?;
+            let w = guard
+                .as_mut()
+                .ok_or_else(|| ShutDownError::new_err("the worker was shut down"))?;
+            f(w)
+        })
+    }
+}
+
+#[pymethods]
+impl PullWorker {
+    /// Registers the cache (`bases`: one address per region, each region
+    /// `num_blocks * block_len` bytes and mapped in this process) and starts the listener.
+    #[new]
+    #[pyo3(signature = (
+        agent_name, transport, *, engine_id, tp_rank, tp_size, kind, order, dtype, num_layers,
+        kv_heads, head_dim, tokens_per_block, num_blocks, bases, total_kv_heads, total_layers,
+        first_layer = 0, memory = "host", side_channel_host = "127.0.0.1",
+        side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
+        heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
+        failure_policy = "fail", enforce_compat = true, prepared_lists = true
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        agent_name: &str,
+        transport: &str,
+        engine_id: &str,
+        tp_rank: u32,
+        tp_size: u32,
+        kind: &str,
+        order: &str,
+        dtype: &str,
+        num_layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        tokens_per_block: u32,
+        num_blocks: u32,
+        bases: Vec<u64>,
+        total_kv_heads: u32,
+        total_layers: u32,
+        first_layer: u32,
+        memory: &str,
+        side_channel_host: &str,
+        side_channel_port: u16,
+        dp_rank_local: u32,
+        backend_name: &str,
+        lease: f64,
+        heartbeat_interval: Option<f64>,
+        transfer_timeout: f64,
+        handshake_timeout: f64,
+        failure_policy: &str,
+        enforce_compat: bool,
+        prepared_lists: bool,
+    ) -> PyResult<Self> {
+        let layout = |e: kvxfer_layout::LayoutError| LayoutError::new_err(e.to_string());
+        let spec = CacheSpec::new(CacheParams {
+            kind: kind.parse().map_err(layout)?,
+            order: order.parse().map_err(layout)?,
+            dtype: dtype.parse().map_err(layout)?,
+            num_layers,
+            kv_heads,
+            head_dim,
+            tokens_per_block,
+            num_blocks,
+        })
+        .map_err(layout)?;
+        if bases.len() != spec.num_regions() as usize {
+            return Err(LayoutError::new_err(format!(
+                "{} region bases given, the layout has {} regions",
+                bases.len(),
+                spec.num_regions()
+            )));
+        }
+        let mem = memory_kind(memory)?;
+        if mem == MemoryKind::Host {
+            for &b in &bases {
+                check_host_mapped(kvxfer_core::AddrRange::new(b, spec.region_len()))?;
+            }
+        }
+        if tp_size == 0 || tp_rank >= tp_size {
+            return Err(InvalidArgumentError::new_err(format!(
+                "tp_rank {tp_rank} of tp_size {tp_size}"
+            )));
+        }
+        let mut config = PullConfig::new(engine_id, tp_rank, tp_size);
+        config.dp_rank_local = dp_rank_local;
+        config.side_channel_host = side_channel_host.into();
+        config.side_channel_port = side_channel_port;
+        config.backend_name = backend_name.into();
+        config.lease = seconds("lease", lease)?;
+        config.heartbeat_interval = match heartbeat_interval {
+            Some(s) => seconds("heartbeat_interval", s)?,
+            None => config.lease / 6,
+        };
+        config.transfer_timeout = seconds("transfer_timeout", transfer_timeout)?;
+        config.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
+        config.failure_policy = match failure_policy {
+            "fail" => FailurePolicy::Fail,
+            "recompute" => FailurePolicy::Recompute,
+            other => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "failure_policy {other:?}: expected fail or recompute"
+                )));
+            }
+        };
+        config.enforce_compat = enforce_compat;
+        config.prepared_lists = prepared_lists;
+        let cache = KvCache {
+            spec,
+            bases,
+            memory: mem,
+            total_kv_heads,
+            total_layers,
+            first_layer,
+            layer_windows: None,
+        };
+        let tkind = transport_kind(transport)?;
+        let name = agent_name.to_string();
+        let worker = py.detach(move || {
+            let t = kvxfer::open(tkind, &name).map_err(errors::transport)?;
+            pull::PullWorker::new(t, config, cache, Arc::new(SystemClock::default())).map_err(|e| {
+                match e {
+                    pull::PullError::Transport(t) => errors::transport(t),
+                    pull::PullError::Layout(l) => LayoutError::new_err(l.to_string()),
+                    pull::PullError::SideChannel(s) => SideChannelError::new_err(s),
+                }
+            })
+        })?;
+        Ok(PullWorker {
+            inner: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// The port this rank's side-channel listener is bound to.
+    fn listener_port(&self, py: Python<'_>) -> PyResult<Option<u16>> {
+        self.with(py, |w| Ok(w.listener_port()))
+    }
+
+    /// Starts the step's loads and holds (`meta_json` from `PullScheduler.build_step_meta`);
+    /// never blocks on a peer.
+    fn start_load_kv(&self, py: Python<'_>, meta_json: &str) -> PyResult<()> {
+        if meta_json.len() > MAX_STEP_META_BYTES {
+            return Err(InvalidArgumentError::new_err(
+                "step metadata exceeds 64 MiB",
+            ));
+        }
+        let meta: StepMeta = serde_json::from_str(meta_json)
+            .map_err(|e| InvalidArgumentError::new_err(format!("step metadata: {e}")))?;
+        self.with(py, |w| {
+            w.start_load_kv(&meta);
+            Ok(())
+        })
+    }
+
+    /// `(sending, recving, failed)` since the last call; `failed` holds
+    /// `(req_id, invalid_blocks, reason, policy)`. Failed loads are also in `recving`.
+    #[allow(clippy::type_complexity)]
+    fn get_finished(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(
+        Vec<String>,
+        Vec<String>,
+        Vec<(String, Vec<u32>, String, &'static str)>,
+    )> {
+        let f = self.with(py, |w| Ok(w.get_finished()))?;
+        let failed = f
+            .failed
+            .into_iter()
+            .map(|l| {
+                let policy = match l.policy {
+                    FailurePolicy::Fail => "fail",
+                    FailurePolicy::Recompute => "recompute",
+                };
+                (l.req_id, l.invalid_blocks, l.reason, policy)
+            })
+            .collect();
+        Ok((f.sending, f.recving, failed))
+    }
+
+    /// Counters since the last call (reset on read), durations in seconds.
+    fn take_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.with(py, |w| Ok(w.take_metrics()))?;
+        metrics_dict(py, &m)
+    }
+
+    /// Stops the listener and handshake threads, releases transfers and deregisters the
+    /// cache. Calling it twice is fine; other calls afterwards raise `ShutDownError`.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let taken = self
+                .inner
+                .lock()
+                .map_err(|_| {
+                    errors::KvxferError::new_err("worker state poisoned by an earlier panic")
+                })?
+                .take();
+            if let Some(mut w) = taken {
+                w.shutdown();
+            }
+            Ok(())
+        })
+    }
+}
+
+fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("transfers", m.transfers)?;
+    d.set_item("indexed_transfers", m.indexed_transfers)?;
+    d.set_item("bytes", m.bytes)?;
+    d.set_item("descriptors_raw", m.descriptors_raw)?;
+    d.set_item("descriptors_posted", m.descriptors_posted)?;
+    d.set_item("post_time", m.post_time.as_secs_f64())?;
+    d.set_item("plan_time", m.plan_time.as_secs_f64())?;
+    d.set_item("transfer_time", m.transfer_time.as_secs_f64())?;
+    d.set_item("failed_handshakes", m.failed_handshakes)?;
+    d.set_item("failed_setups", m.failed_setups)?;
+    d.set_item("failed_transfers", m.failed_transfers)?;
+    d.set_item("failed_notifications", m.failed_notifications)?;
+    d.set_item("expired_leases", m.expired_leases)?;
+    d.set_item("handshake_time", m.handshake_time.as_secs_f64())?;
+    d.set_item("handshakes", m.handshakes)?;
+    Ok(d)
+}
