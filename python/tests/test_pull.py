@@ -97,10 +97,12 @@ def test_decode_pulls_the_prefill_blocks(transport: str, kind: str) -> None:
     dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
     assert dsched.tokens_to_load(params, 8, 0) == (8, True)
     assert dsched.tokens_to_load(None, 8, 0) == (0, False)
-    updated = dsched.after_alloc("r1", params, local, 8)
+    # The decode knows the request under its own id; notes to the prefill name the prefill's.
+    assert json.loads(params)["remote_request_id"] == "r1"
+    updated = dsched.after_alloc("d-r1", params, local, 8)
     assert json.loads(updated)["do_remote_prefill"] is False
     d.start_load_kv(dsched.build_step_meta())
-    _, recving, failed = poll(d, "r1", 1)
+    _, recving, failed = poll(d, "d-r1", 1)
     assert failed == []
     bl = block_len(kind)
     for s, t in zip(src, dst, strict=True):

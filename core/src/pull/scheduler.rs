@@ -12,8 +12,10 @@ use crate::wire::params::KvTransferParams;
 /// An empty `local_block_ids` (full local prefix hit) only notifies the prefill.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvRequest {
-    /// Request id.
+    /// Request id (this engine's).
     pub req_id: String,
+    /// The request's id on the prefill engine, named in read-done notes and heartbeats.
+    pub remote_req_id: String,
     /// Local blocks to fill.
     pub local_block_ids: Vec<u32>,
     /// Prefill engine to read from.
@@ -106,6 +108,10 @@ impl PullScheduler {
         };
         self.pending.recv.push(RecvRequest {
             req_id: req_id.into(),
+            remote_req_id: params
+                .remote_request_id
+                .clone()
+                .unwrap_or_else(|| req_id.into()),
             local_block_ids: local,
             engine_id: src.engine_id.into(),
             host: src.host.into(),
@@ -153,6 +159,7 @@ impl PullScheduler {
                 remote_engine_id: Some(self.engine_id.clone()),
                 remote_host: Some(self.host.clone()),
                 remote_port: Some(self.port),
+                remote_request_id: Some(req_id.into()),
             }),
         }
     }

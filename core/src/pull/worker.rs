@@ -570,7 +570,7 @@ impl<T: Transport> PullWorker<T> {
             let readers = mapping
                 .notifications_per_request(link.prefill_rank)
                 .unwrap_or(1);
-            let note = notify::read_done(&req.req_id, readers);
+            let note = notify::read_done(&req.remote_req_id, readers);
             let Some(rank) = ranks.get(&link.prefill_rank) else {
                 return Err((
                     format!("prefill rank {} was not connected", link.prefill_rank),
@@ -801,7 +801,7 @@ impl<T: Transport> PullWorker<T> {
             for rank in ranks.values().filter(|r| r.lease_aware) {
                 if self
                     .transport
-                    .send_notification(rank.peer, &notify::heartbeat(&load.req.req_id))
+                    .send_notification(rank.peer, &notify::heartbeat(&load.req.remote_req_id))
                     .is_err()
                 {
                     self.metrics.failed_notifications += 1;

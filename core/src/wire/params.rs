@@ -29,6 +29,11 @@ pub struct KvTransferParams {
     /// Base port of the prefill's side channel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_port: Option<u16>,
+    /// The request's id on the prefill engine, when it differs from the decode's (an engine
+    /// gives the two halves of a request different ids): read-done notes and heartbeats
+    /// name it. Absent: the decode's id is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<String>,
 }
 
 impl KvTransferParams {

@@ -1,0 +1,317 @@
+"""KvxferConnector: a vLLM v1 KV connector (pull mode: the decode READs the prefill's blocks)
+driven by kvxfer's Rust pull connector.
+
+Load it out of tree, on both engines::
+
+    kv_transfer_config = {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.vllm",
+        "kv_role": "kv_both",            # or kv_producer (prefill) / kv_consumer (decode)
+        "kv_connector_extra_config": {"side_channel_port": 5600, "transport": "ucx"},
+    }
+
+``kv_connector_extra_config`` keys (all optional): ``transport`` (``ucx`` default, or
+``nixl``), ``side_channel_host`` (``127.0.0.1``; what the worker listeners bind and what the
+prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d`` listens on
+``port + d * tp_size + r``), ``lease`` (seconds the prefill holds unread blocks, 30),
+``transfer_timeout`` (30), ``handshake_timeout`` (5), ``enforce_compat`` (true).
+``kv_transfer_config.kv_load_failure_policy`` (``fail`` or ``recompute``) decides what vLLM
+does with a failed load.
+
+The scheduler half runs in vLLM's EngineCore process and the worker half in each worker
+process; what crosses between them is plain picklable data (JSON text). This module imports
+vLLM lazily only where vLLM itself calls it, so importing it stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+import kvxfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvxfer.vllm")
+
+# Requests that ended this way hand their KV to a remote decode (as vLLM's NixlConnector).
+_HANDED_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step for the workers: `kvxfer.PullScheduler.build_step_meta()`."""
+
+    step_json: str
+
+
+def _layer_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Model-layer order: `model.layers.10.` after `model.layers.9.`."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_cache(
+    kv_caches: dict[str, torch.Tensor], kv_heads: int, head_size: int, block_size: int
+) -> dict[str, Any]:
+    """The kvxfer layout of vLLM's KV cache tensors, derived from each tensor's pointer and
+    strides (never from an assumed shape): one region per layer, block-major, each block a
+    contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD).
+
+    Raises ValueError naming what does not fit, so an unsupported cache layout fails at
+    registration instead of moving the wrong bytes.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors to register")
+    names = sorted(kv_caches, key=_layer_key)
+    tensors = [kv_caches[n] for n in names]
+    first = tensors[0]
+    elt = first.element_size()
+    num_blocks = first.shape[0]
+    block_len = kv_heads * block_size * 2 * head_size * elt
+    orders = {
+        "HND": (block_size * 2 * head_size, 2 * head_size, 1),
+        "NHD": (2 * head_size, kv_heads * 2 * head_size, 1),
+    }
+    for name, t in zip(names, tensors, strict=True):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: {t.device} memory is not supported yet (host only)")
+        if t.dtype != first.dtype or t.shape[0] != num_blocks:
+            raise ValueError(f"{name}: dtype/blocks differ from {names[0]}")
+        if t.dim() != 4 or t.stride(0) * elt != block_len:
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}, strides {t.stride()}: expected "
+                f"[blocks, ...] with {block_len}-byte blocks (heads={kv_heads}, "
+                f"block_size={block_size}, 2*head_size={2 * head_size})"
+            )
+    strides = tuple(first.stride()[1:])
+    order = next((o for o, s in orders.items() if s == strides), None)
+    if order is None:
+        raise ValueError(
+            f"{names[0]}: block strides {strides} are neither packed HND {orders['HND']} "
+            f"nor packed NHD {orders['NHD']}"
+        )
+    return {
+        "kind": "packed-kv",
+        "order": order,
+        "dtype": _dtype_name(first.dtype),
+        "num_layers": len(tensors),
+        "kv_heads": kv_heads,
+        "head_dim": head_size,
+        "tokens_per_block": block_size,
+        "num_blocks": num_blocks,
+        "bases": [t.data_ptr() for t in tensors],
+    }
+
+
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector over kvxfer's pull connector (UCX or NIXL underneath)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # the base class raised otherwise
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self._engine_id = str(ktc.engine_id)
+        self._host = str(extra.get("side_channel_host", "127.0.0.1"))
+        self._port = int(extra.get("side_channel_port", 5600))
+        self._extra = extra
+        self._failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+        sched = vllm_config.scheduler_config
+        self._hma = not getattr(sched, "disable_hybrid_kv_cache_manager", False)
+        self._scheduler: kvxfer.PullScheduler | None = None
+        self._worker: kvxfer.PullWorker | None = None
+        self._invalid_blocks: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = kvxfer.PullScheduler(self._engine_id, self._host, self._port)
+
+    # ---- scheduler side (EngineCore process) ----
+
+    def _sched(self) -> kvxfer.PullScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            return self._sched().tokens_to_load(
+                json.dumps(params), len(request.prompt_token_ids or []), num_computed_tokens
+            )
+        except kvxfer.KvxferError as e:
+            log.warning(
+                "request %s: unusable kv_transfer_params (%s); computing locally",
+                request.request_id,
+                e,
+            )
+            return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        local: list[int] = []
+        if num_external_tokens > 0:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            local = list(groups[0]) if groups else []
+        try:
+            updated = self._sched().after_alloc(
+                request.request_id, json.dumps(params), local, num_external_tokens
+            )
+        except kvxfer.KvxferError as e:
+            log.warning("request %s: cannot load remote KV (%s)", request.request_id, e)
+            params["do_remote_prefill"] = False
+            return
+        params.update(json.loads(updated))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KvxferConnectorMetadata(step_json=self._sched().build_step_meta())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if len(block_ids) > 1 and any(block_ids[1:]):
+            log.warning(
+                "request %s: %d KV cache groups; kvxfer hands off the first only",
+                request.request_id,
+                len(block_ids),
+            )
+        return self._finished(request, list(block_ids[0]) if block_ids else [])
+
+    def _finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        delay, out = self._sched().request_finished(
+            request.request_id, json.dumps(params), request.status in _HANDED_OFF, block_ids
+        )
+        return delay, (json.loads(out) if out is not None else None)
+
+    # ---- worker side (worker process) ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self._vllm_config
+        par = cfg.parallel_config
+        model = cfg.model_config
+        layout = describe_cache(
+            kv_caches,
+            kv_heads=model.get_num_kv_heads(par),
+            head_size=model.get_head_size(),
+            block_size=cfg.cache_config.block_size,
+        )
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+        e = self._extra
+        self._worker = kvxfer.PullWorker(
+            f"{self._engine_id}-{tp_rank}",
+            str(e.get("transport", "ucx")),
+            engine_id=self._engine_id,
+            tp_rank=tp_rank,
+            tp_size=par.tensor_parallel_size,
+            total_kv_heads=model.get_total_num_kv_heads(),
+            total_layers=model.hf_text_config.num_hidden_layers,
+            side_channel_host=self._host,
+            side_channel_port=self._port,
+            dp_rank_local=int(getattr(par, "data_parallel_rank_local", 0) or 0),
+            backend_name="vllm-packed-kv",
+            lease=float(e.get("lease", 30.0)),
+            transfer_timeout=float(e.get("transfer_timeout", 30.0)),
+            handshake_timeout=float(e.get("handshake_timeout", 5.0)),
+            failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
+            enforce_compat=bool(e.get("enforce_compat", True)),
+            **layout,
+        )
+        log.info(
+            "kvxfer: registered %d layers (%s %s, %d blocks) on port %s",
+            layout["num_layers"],
+            layout["kind"],
+            layout["order"],
+            layout["num_blocks"],
+            self._worker.listener_port(),
+        )
+
+    def _live_worker(self) -> kvxfer.PullWorker:
+        assert self._worker is not None, "worker-side call before register_kv_caches"
+        return self._worker
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self._live_worker().start_load_kv(meta.step_json)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only once get_finished says so.
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Pull mode: the prefill only holds its blocks; the decode reads them.
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.get_finished()
+        for req_id, blocks, reason, _policy in failed:
+            log.warning("kvxfer: load of %s failed: %s", req_id, reason)
+            if not self._hma:
+                self._invalid_blocks.update(blocks)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending),
+            finished_recving=set(recving),
+            failed_recving={f[0] for f in failed},
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
