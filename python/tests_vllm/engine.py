@@ -1,0 +1,113 @@
+"""One real vLLM engine for the real-engine tests, driven over stdin/stdout: a JSON command
+per line in, one `KVX {json}` line per reply out (vLLM's own logs go to stderr).
+
+Commands: {"op": "generate", "requests": [{"prompt": [ids], "params": dict|null}],
+"max_tokens": N} -> per request token ids, logprobs of the chosen tokens and the returned
+kv_transfer_params; {"op": "external_tokens"} -> vLLM's count of prompt tokens loaded through
+the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero KV block, read
+from vLLM's own cache tensors in the worker; {"op": "quit"}.
+Usage: engine.py ROLE MODEL DTYPE KV_TRANSFER_CONFIG_JSON
+"""
+
+import json
+import sys
+from typing import Any
+
+
+def kv_hashes(worker: Any) -> dict[int, dict[int, str]]:
+    """Runs in the worker process (collective_rpc): vLLM's KV tensors, block by block."""
+    import hashlib
+
+    import torch
+
+    out: dict[int, dict[int, str]] = {}
+    for layer, t in enumerate(worker.model_runner.kv_caches):
+        blocks = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+        nonzero = blocks.any(dim=1).nonzero().flatten().tolist()
+        out[layer] = {b: hashlib.sha256(blocks[b].numpy().tobytes()).hexdigest() for b in nonzero}
+    return out
+
+
+def reply(obj: object) -> None:
+    sys.stdout.write("KVX " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    role, model, dtype, ktc = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        seed=0,
+        max_model_len=1024,
+        max_num_seqs=8,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        kv_transfer_config=ktc,
+    )
+    engine = llm.llm_engine
+    reply({"ready": role})
+    n = 0
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "external_tokens":
+            # Prompt tokens loaded through the connector rather than computed, from vLLM's
+            # own Prometheus counter.
+            total = sum(
+                getattr(m, "value", 0)
+                for m in llm.get_metrics()
+                if m.name == "vllm:prompt_tokens_by_source"
+                and m.labels.get("source") == "external_kv_transfer"
+            )
+            reply(total)
+            continue
+        if cmd["op"] == "kv_hashes":
+            reply(llm.collective_rpc(kv_hashes)[0])
+            continue
+        ids = []
+        for r in cmd["requests"]:
+            extra = {"kv_transfer_params": r["params"]} if r.get("params") is not None else None
+            sp = SamplingParams(
+                max_tokens=cmd["max_tokens"],
+                temperature=0.0,
+                ignore_eos=True,
+                detokenize=False,
+                logprobs=1,
+                extra_args=extra,
+            )
+            rid = f"{role}-{n}"
+            n += 1
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=r["prompt"]), sp)
+            ids.append(rid)
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                # vLLM may suffix the id it was given.
+                rid = next(
+                    (i for i in ids if o.request_id in (i,) or o.request_id.startswith(i + "-")),
+                    o.request_id,
+                )
+                if o.finished:
+                    c = o.outputs[0]
+                    lps = [
+                        lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)
+                    ]
+                    done[rid] = {
+                        "tokens": list(c.token_ids),
+                        "logprobs": lps,
+                        "params": o.kv_transfer_params,
+                        "finish": c.finish_reason,
+                    }
+        reply([done.get(i) for i in ids])
+
+
+if __name__ == "__main__":
+    main()
