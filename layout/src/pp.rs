@@ -150,6 +150,8 @@ mod tests {
     #[test]
     fn uneven_split_15_is_7_plus_8() {
         let s = PpSplit::even(15, 2).unwrap();
+        assert_eq!(s.total_layers(), 15);
+        assert_eq!(PpSplit::from_sizes(&[7, 8, 2]).unwrap().total_layers(), 17);
         assert_eq!(
             s.stages(),
             &[
@@ -182,5 +184,11 @@ mod tests {
         assert!(PpSplit::from_sizes(&[]).is_err());
         assert!(PpSplit::from_sizes(&[3, 0]).is_err());
         assert!(PpSplit::from_sizes(&[u32::MAX, 1]).is_err());
+        // The layer bound is inclusive.
+        assert!(PpSplit::even(crate::MAX_DIM, 1).is_ok());
+        assert!(matches!(
+            PpSplit::even(crate::MAX_DIM + 1, 1),
+            Err(LayoutError::TooLarge { .. })
+        ));
     }
 }

@@ -1,5 +1,5 @@
 """Real-engine fixtures: a vLLM prefill and a vLLM decode, each in its own process with
-KvxferConnector, started once per transport and shared by the tests."""
+KvxferConnector, started once per transport (UCX, NIXL) and shared by the tests."""
 
 import json
 import os
@@ -94,12 +94,18 @@ class Engine:
         self.log.close()
 
 
-@pytest.fixture(scope="session", params=["ucx"])
+@pytest.fixture(scope="session", params=["ucx", "nixl"])
 def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine]]:
     if not Path(MODEL, "config.json").exists():
         pytest.skip(f"no test model at {MODEL}: run scripts/vllm-env.sh")
+    import kvxfer
+
+    try:
+        kvxfer.Agent(f"probe-{os.getpid()}", request.param).shutdown()
+    except kvxfer.NotAvailableError as e:
+        pytest.skip(f"{request.param}: {e}")
     logdir = tmp_path_factory.mktemp(f"vllm-{request.param}")
     extra = {"transport": request.param}
     p = Engine("prefill", "0", {**extra, "side_channel_port": free_port()}, logdir)
