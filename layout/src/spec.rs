@@ -470,6 +470,17 @@ mod tests {
         assert_eq!(s.block_len(), 16 * 8 * 128 * 2); // 32 KiB, the peer script's block_len
         assert_eq!(s.region_len(), 256 * 32768);
         assert_eq!(s.token_slot_bytes(), 2048);
+        assert_eq!(s.head_dim(), 128);
+        assert_eq!(s.total_bytes(), 64 * 256 * 32768);
+        assert_eq!(
+            s.block_range(5, 3).unwrap(),
+            ByteRange {
+                offset: 3 * 32768,
+                len: 32768
+            }
+        );
+        assert!(s.block_range(64, 0).is_err());
+        assert!(s.block_range(0, 256).is_err());
         let j = llama8b(CacheKind::JointKv, BlockOrder::Nhd);
         assert_eq!(j.num_regions(), 32);
         assert_eq!(j.block_len(), 2 * 32768);
