@@ -184,6 +184,8 @@ mod tests {
         assert!(PpSplit::from_sizes(&[]).is_err());
         assert!(PpSplit::from_sizes(&[3, 0]).is_err());
         assert!(PpSplit::from_sizes(&[u32::MAX, 1]).is_err());
+        // One layer per stage is the most stages a split may have.
+        assert_eq!(PpSplit::even(3, 3).unwrap().stages().len(), 3);
         // The layer bound is inclusive.
         assert!(PpSplit::even(crate::MAX_DIM, 1).is_ok());
         assert!(matches!(
