@@ -1,0 +1,113 @@
+"""KvxferConnector's statistics in vLLM's metrics: the pull worker's counters travel from the
+worker to the front end as `KvxferStats`, are logged as vLLM's periodic `KV Transfer metrics`
+line, and are exported as Prometheus counters (`vllm:kvxfer_*`, per engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# The counters of `kvxfer.PullWorker.take_metrics()` that vLLM sees, with their help text;
+# `*_time` values are seconds.
+COUNTERS: dict[str, str] = {
+    "transfers": "KV transfers completed or posted by the decode",
+    "bytes": "Bytes requested by KV transfers",
+    "descriptors_posted": "Descriptors posted after coalescing",
+    "transfer_time": "Seconds from post to completion, summed over transfers",
+    "post_time": "Seconds spent planning and posting transfers",
+    "handshakes": "Handshakes with prefill ranks completed",
+    "handshake_time": "Seconds spent in completed handshakes",
+    "failed_handshakes": "Handshakes that failed (timeout, bad reply, incompatible layout)",
+    "failed_setups": "Loads that failed while being planned or posted",
+    "failed_transfers": "Transfers that failed",
+    "failed_notifications": "Notifications to the prefill that could not be sent",
+    "expired_leases": "Prefill requests freed because no decode read them in time",
+}
+
+
+@dataclass
+class KvxferStats(KVConnectorStats):
+    """Counters summed since the last report (what `take_metrics` returned, aggregated)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    @classmethod
+    def from_worker(cls, metrics: dict[str, Any]) -> KvxferStats:
+        return cls(data={k: metrics.get(k, 0) for k in COUNTERS})
+
+    def aggregate(self, other: KVConnectorStats) -> KvxferStats:
+        for k in COUNTERS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in COUNTERS)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        n, secs = d.get("transfers", 0), d.get("transfer_time", 0.0)
+        mb = d.get("bytes", 0) / 1e6
+        return {
+            "transfers": n,
+            "MB": round(mb, 3),
+            "avg_xfer_ms": round(secs / n * 1e3, 3) if n else 0.0,
+            "throughput_MB_s": round(mb / secs, 1) if secs else 0.0,
+            "avg_descriptors": round(d.get("descriptors_posted", 0) / n, 1) if n else 0.0,
+            "handshakes": d.get("handshakes", 0),
+            "failed_handshakes": d.get("failed_handshakes", 0),
+            "failed_setups": d.get("failed_setups", 0),
+            "failed_transfers": d.get("failed_transfers", 0),
+            "failed_notifications": d.get("failed_notifications", 0),
+            "expired_leases": d.get("expired_leases", 0),
+        }
+
+
+class KvxferPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per kvxfer counter, labelled per engine like vLLM's own."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            k: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvxfer_{_prom_name(k)}",
+                    documentation=doc,
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for k, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, per_engine in self._counters.items():
+            v = transfer_stats_data.get(k, 0)
+            if v:
+                per_engine[engine_idx].inc(v)
+
+
+def _prom_name(key: str) -> str:
+    """`transfer_time` -> `transfer_seconds` (Prometheus names carry their unit)."""
+    return key.removesuffix("_time") + "_seconds" if key.endswith("_time") else key
