@@ -1,16 +1,21 @@
-"""One real vLLM engine for the real-engine tests, driven over stdin/stdout: a JSON command
-per line in, one `KVX {json}` line per reply out (vLLM's own logs go to stderr).
+"""One real vLLM engine for the real-engine tests and the benchmark, driven over stdin/stdout:
+a JSON command per line in, one `KVX {json}` line per reply out (vLLM's own logs go to stderr).
 
 Commands: {"op": "generate", "requests": [{"prompt": [ids], "params": dict|null}],
-"max_tokens": N} -> per request token ids, logprobs of the chosen tokens and the returned
-kv_transfer_params; {"op": "external_tokens"} -> vLLM's count of prompt tokens loaded through
-the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero KV block, read
-from vLLM's own cache tensors in the worker; {"op": "quit"}.
-Usage: engine.py ROLE MODEL DTYPE KV_TRANSFER_CONFIG_JSON
+"max_tokens": N} -> per request token ids, logprobs of the chosen tokens, the returned
+kv_transfer_params, the finish reason, vLLM's id for it, and the monotonic clock when it was
+submitted and when its first token came; {"op": "external_tokens"} -> vLLM's count of prompt
+tokens loaded through the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero
+KV block, read from vLLM's own cache tensors in the worker; {"op": "metrics", "prefix": P} ->
+vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"};
+{"op": "quit"}.
+Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
+`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8).
 """
 
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -34,20 +39,21 @@ def reply(obj: object) -> None:
 
 
 def main() -> None:
-    role, model, dtype, ktc = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    role, model = sys.argv[1], sys.argv[2]
+    opts, ktc = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
-        dtype=dtype,
+        dtype=opts.get("dtype", "float32"),
         seed=0,
-        max_model_len=1024,
-        max_num_seqs=8,
+        max_model_len=int(opts.get("max_model_len", 1024)),
+        max_num_seqs=int(opts.get("max_num_seqs", 8)),
         block_size=32,
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(opts.get("prefix_caching", False)),
         disable_log_stats=False,
         kv_transfer_config=ktc,
     )
@@ -56,9 +62,10 @@ def main() -> None:
     n = 0
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "quit":
+        op = cmd["op"]
+        if op == "quit":
             break
-        if cmd["op"] == "external_tokens":
+        if op == "external_tokens":
             # Prompt tokens loaded through the connector rather than computed, from vLLM's
             # own Prometheus counter.
             total = sum(
@@ -69,10 +76,21 @@ def main() -> None:
             )
             reply(total)
             continue
-        if cmd["op"] == "kv_hashes":
+        if op == "metrics":
+            # vLLM's Prometheus metrics whose names start with `prefix`, summed over labels.
+            sums: dict[str, float] = {}
+            for m in llm.get_metrics():
+                if m.name.startswith(cmd["prefix"]) and hasattr(m, "value"):
+                    sums[m.name] = sums.get(m.name, 0) + m.value
+            reply(sums)
+            continue
+        if op == "kv_hashes":
             reply(llm.collective_rpc(kv_hashes)[0])
             continue
-        ids = []
+        if op == "reset_prefix_cache":
+            reply(llm.reset_prefix_cache())
+            continue
+        ids, submitted = [], {}
         for r in cmd["requests"]:
             extra = {"kv_transfer_params": r["params"]} if r.get("params") is not None else None
             sp = SamplingParams(
@@ -85,9 +103,11 @@ def main() -> None:
             )
             rid = f"{role}-{n}"
             n += 1
+            submitted[rid] = time.monotonic()
             engine.add_request(rid, TokensPrompt(prompt_token_ids=r["prompt"]), sp)
             ids.append(rid)
         done: dict[str, Any] = {}
+        first: dict[str, float] = {}
         while engine.has_unfinished_requests():
             for o in engine.step():
                 # vLLM may suffix the id it was given.
@@ -95,8 +115,10 @@ def main() -> None:
                     (i for i in ids if o.request_id in (i,) or o.request_id.startswith(i + "-")),
                     o.request_id,
                 )
+                c = o.outputs[0]
+                if c.token_ids and rid not in first:
+                    first[rid] = time.monotonic()
                 if o.finished:
-                    c = o.outputs[0]
                     lps = [
                         lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)
                     ]
@@ -105,6 +127,9 @@ def main() -> None:
                         "logprobs": lps,
                         "params": o.kv_transfer_params,
                         "finish": c.finish_reason,
+                        "engine_request_id": o.request_id,
+                        "submitted": submitted[rid],
+                        "first_token": first.get(rid),
                     }
         reply([done.get(i) for i in ids])
 

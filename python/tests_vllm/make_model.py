@@ -1,46 +1,82 @@
-"""Writes a tiny Llama (2 layers, 2 KV heads, head dim 64) with seeded random weights, so the
-real-engine tests run a real model without downloading one. Usage: make_model.py DIR"""
+"""Writes a small Llama with seeded random weights, so the real-engine tests and the benchmark
+run a real model without downloading one. Usage: make_model.py DIR [--preset NAME]
 
+Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token), and
+`llama8b-kv`: Llama-3-8B's KV geometry (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of
+KV per token, as the real model) with a hidden size of 256 and 8 query heads, so a CPU prefill
+costs seconds instead of minutes; the query heads do not change the KV cache.
+"""
+
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 128, 2, 2, 2, 256, 1000
+PRESETS: dict[str, dict[str, int | str]] = {
+    "tiny": {
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "torch_dtype": "float32",
+    },
+    "llama8b-kv": {
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": 32,
+        "intermediate_size": 512,
+        "torch_dtype": "bfloat16",
+    },
+}
+VOCAB = 1000
 
 
-def main(out: Path) -> None:
-    head_dim = HIDDEN // HEADS
+def main(out: Path, preset: str) -> None:
+    c = PRESETS[preset]
+    hidden, heads, kv_heads = (
+        int(c["hidden_size"]),
+        int(c["num_attention_heads"]),
+        int(c["num_key_value_heads"]),
+    )
+    head_dim, layers, ffn = (
+        int(c["head_dim"]),
+        int(c["num_hidden_layers"]),
+        int(c["intermediate_size"]),
+    )
+    dtype = getattr(torch, str(c["torch_dtype"]))
     g = torch.Generator().manual_seed(1234)
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.05
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
 
-    tensors = {"model.embed_tokens.weight": w(VOCAB, HIDDEN), "lm_head.weight": w(VOCAB, HIDDEN)}
-    tensors["model.norm.weight"] = torch.ones(HIDDEN)
-    for i in range(LAYERS):
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden), "lm_head.weight": w(VOCAB, hidden)}
+    tensors["model.norm.weight"] = ones(hidden)
+    for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "self_attn.q_proj.weight": w(HEADS * head_dim, HIDDEN),
-            p + "self_attn.k_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
-            p + "self_attn.v_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
-            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * head_dim),
-            p + "mlp.gate_proj.weight": w(FFN, HIDDEN),
-            p + "mlp.up_proj.weight": w(FFN, HIDDEN),
-            p + "mlp.down_proj.weight": w(HIDDEN, FFN),
-            p + "input_layernorm.weight": torch.ones(HIDDEN),
-            p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(ffn, hidden),
+            p + "mlp.up_proj.weight": w(ffn, hidden),
+            p + "mlp.down_proj.weight": w(hidden, ffn),
+            p + "input_layernorm.weight": ones(hidden),
+            p + "post_attention_layernorm.weight": ones(hidden),
         }
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": FFN,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "num_hidden_layers": LAYERS,
+        **c,
         "vocab_size": VOCAB,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
@@ -49,7 +85,6 @@ def main(out: Path) -> None:
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "float32",
     }
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
@@ -57,4 +92,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    a = ap.parse_args()
+    main(a.dir, a.preset)

@@ -2,41 +2,16 @@
 engine in two processes: the decode pulls the prefill's KV blocks and must produce what it
 produces computing the prompt itself."""
 
-import random
-from typing import Any
-
-from conftest import Engine
-
-BLOCK = 32
-DECODE_TOKENS = 8
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return random.Random(seed).choices(range(3, 1000), k=length)
-
-
-def prefill(p: Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    out = p.call(
-        {
-            "op": "generate",
-            "max_tokens": 1,
-            "requests": [{"prompt": x, "params": {"do_remote_decode": True}} for x in prompts],
-        }
-    )
-    for o in out:
-        assert o["params"] and o["params"]["do_remote_prefill"], o
-    return [o["params"] for o in out]
-
-
-def decode(d: Engine, prompts: list[list[int]], params: list[Any]) -> list[dict[str, Any]]:
-    reqs = [{"prompt": x, "params": q} for x, q in zip(prompts, params, strict=True)]
-    return d.call({"op": "generate", "max_tokens": DECODE_TOKENS, "requests": reqs})
-
-
-def assert_same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["tokens"] == b["tokens"]
-    diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
-    assert diff < 1e-4, f"logprobs differ by {diff}"
+from flows import (
+    BLOCK,
+    assert_blocks_arrived,
+    assert_same_output,
+    decode,
+    kvxfer_metrics,
+    prefill,
+    prompt,
+)
+from harness import Engine
 
 
 def test_blocks_arrive_byte_identical_and_output_equals_a_local_run(
@@ -49,19 +24,21 @@ def test_blocks_arrive_byte_identical_and_output_equals_a_local_run(
     assert len(params["remote_block_ids"]) == 4
     p_blocks = p.call({"op": "kv_hashes"})
     external = d.call({"op": "external_tokens"})
+    metrics = kvxfer_metrics(d)
     (remote,) = decode(d, [x], [params])
     # The decode did not compute the prompt: vLLM counts every token as loaded externally.
     assert d.call({"op": "external_tokens"}) - external == len(x)
-    after = d.call({"op": "kv_hashes"})
     # (a) every full block the prefill listed is in the decode's cache now, and was not before.
-    for layer, hashes in p_blocks.items():
-        for block in params["remote_block_ids"][: len(x) // BLOCK]:
-            h = hashes[str(block)]
-            assert h in after[layer].values(), f"layer {layer}: block {block} did not arrive"
-            assert h not in before[layer].values(), f"layer {layer}: block {block} was there"
+    after = d.call({"op": "kv_hashes"})
+    assert_blocks_arrived(p_blocks, before, after, params["remote_block_ids"][: len(x) // BLOCK])
     # (b) the same tokens and logprobs as the decode computing the prompt itself.
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)
+    # The connector's counters reach vLLM's metrics: 4 blocks × 2 layers × 32 KiB read.
+    now = kvxfer_metrics(d)
+    assert now["vllm:kvxfer_bytes"] - metrics.get("vllm:kvxfer_bytes", 0) == 4 * 2 * 32 * 1024
+    assert now["vllm:kvxfer_transfers"] > metrics.get("vllm:kvxfer_transfers", 0)
+    assert now.get("vllm:kvxfer_failed_transfers", 0) == 0
 
 
 def test_kv_of_another_prompt_changes_the_output(engines: tuple[Engine, Engine]) -> None:

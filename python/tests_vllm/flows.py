@@ -1,0 +1,63 @@
+"""The hand-off as the real-engine tests drive it: the prefill computes prompts for a remote
+decode, the decode generates from the parameters the prefill returned."""
+
+import random
+from typing import Any
+
+from harness import Engine
+
+BLOCK = 32
+DECODE_TOKENS = 8
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 1000), k=length)
+
+
+def prefill(p: Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    out = p.call(
+        {
+            "op": "generate",
+            "max_tokens": 1,
+            "requests": [{"prompt": x, "params": {"do_remote_decode": True}} for x in prompts],
+        }
+    )
+    for o in out:
+        assert o["params"] and o["params"]["do_remote_prefill"], o
+    return [o["params"] for o in out]
+
+
+def decode_cmd(prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
+    reqs = [{"prompt": x, "params": q} for x, q in zip(prompts, params, strict=True)]
+    return {"op": "generate", "max_tokens": DECODE_TOKENS, "requests": reqs}
+
+
+def decode(d: Engine, prompts: list[list[int]], params: list[Any]) -> list[dict[str, Any]]:
+    return d.call(decode_cmd(prompts, params))
+
+
+def assert_same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["finish"] == b["finish"] == "length", (a["finish"], b["finish"])
+    assert a["tokens"] == b["tokens"]
+    diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
+    assert diff < 1e-4, f"logprobs differ by {diff}"
+
+
+def assert_blocks_arrived(
+    p_blocks: dict[str, dict[str, str]],
+    before: dict[str, dict[str, str]] | None,
+    after: dict[str, dict[str, str]],
+    block_ids: list[int],
+) -> None:
+    """Every listed prefill block is, byte for byte, in the decode's cache `after`, per layer,
+    and was not `before`."""
+    for layer, hashes in p_blocks.items():
+        for block in block_ids:
+            h = hashes[str(block)]
+            assert h in after[layer].values(), f"layer {layer}: block {block} did not arrive"
+            if before is not None:
+                assert h not in before[layer].values(), f"layer {layer}: block {block} was there"
+
+
+def kvxfer_metrics(e: Engine) -> dict[str, float]:
+    return e.call({"op": "metrics", "prefix": "vllm:kvxfer_"})

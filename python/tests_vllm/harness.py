@@ -1,0 +1,171 @@
+"""A real vLLM engine in a child process (engine.py), for the real-engine tests and the
+benchmark: started with a KV connector, driven one JSON command at a time."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+HERE = Path(__file__).parent
+MODELS = Path(sys.prefix) / "models"
+MODEL = Path(os.environ.get("KVXFER_TEST_MODEL", str(MODELS / "tiny-llama")))
+KVXFER = ("KvxferConnector", "kvxfer.vllm")
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768+), so that the sockets vLLM opens on
+    ephemeral ports meanwhile cannot take it before the engine binds it."""
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+
+
+class Engine:
+    """A child process running engine.py; `call` sends one command and waits for its reply.
+
+    The child leads its own process group, so `signal` reaches vLLM's EngineCore process
+    (where the connector's worker half lives) too.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cpus: str,
+        extra: dict[str, Any],
+        logdir: Path,
+        *,
+        model: str | Path = MODELS / "tiny-llama",
+        opts: dict[str, Any] | None = None,
+        connector: tuple[str, str] = KVXFER,
+        transfer_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.role = name
+        ktc = {
+            "kv_connector": connector[0],
+            "kv_connector_module_path": connector[1],
+            "kv_role": "kv_both",
+            "engine_id": f"kvxfer-test-{name}",
+            "kv_connector_extra_config": extra,
+            **(transfer_config or {}),
+        }
+        full_env = dict(os.environ)
+        full_env.update(
+            {
+                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(callable)
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                "TORCHDYNAMO_DISABLE": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+                ),
+                **(env or {}),
+            }
+        )
+        self.log_path = logdir / f"{name}.log"
+        # vLLM logs to stdout, Python's warnings to stderr: both go to the log, appended
+        # (O_APPEND) so that the two writers never overwrite each other.
+        self.log_path.write_bytes(b"")
+        self.log = open(self.log_path, "a")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "engine.py"),
+                name,
+                str(model),
+                json.dumps(opts or {}),
+                json.dumps(ktc),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+        )
+        self.replies: Queue[Any] = Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "a") as log:
+            for line in self.proc.stdout:
+                if line.startswith("KVX "):
+                    self.replies.put(json.loads(line[4:]))
+                else:
+                    log.write(line)
+                    log.flush()
+        self.replies.put(None)  # the process ended
+
+    def wait(self, timeout: float) -> Any:
+        try:
+            r = self.replies.get(timeout=timeout)
+        except Empty:
+            raise AssertionError(f"{self.role}: no reply within {timeout} s") from None
+        if r is None:
+            raise AssertionError(f"{self.role} engine exited: see {self.log_path}")
+        return r
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, cmd: dict[str, Any], timeout: float = 120) -> Any:
+        self.send(cmd)
+        return self.wait(timeout)
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to the engine and every process it started."""
+        os.killpg(self.proc.pid, sig)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "quit"}, timeout=5)
+            except (AssertionError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait()
+        try:
+            self.signal(signal.SIGKILL)  # EngineCore children left behind, if any
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+
+def start(engines: list[Engine]) -> list[Engine]:
+    """Waits until every engine is ready (they start in parallel); closes all on failure."""
+    try:
+        for e in engines:
+            assert e.wait(timeout=600) == {"ready": e.role}
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return engines
