@@ -24,4 +24,10 @@ run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench soak -- 2000
 run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench ucx_read -- 1
 run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench nixl_post -- 1
 run cargo run -q --release -- bench --requests 2
+# The real-vLLM benchmark, on the environment the test command set up.
+if [ -x "$root/.venv-vllm/bin/python" ]; then
+    run env KVXFER_VLLM_ENV_READY=1 scripts/bench-vllm.sh --smoke
+else
+    echo "SKIP scripts/bench-vllm.sh --smoke: no .venv-vllm (scripts/vllm-env.sh sets it up)"
+fi
 echo "benchmark smoke runs: all finished"

@@ -44,6 +44,12 @@ PY
     pip install -q $(printf '%s\n' "$reqs" | tr '\n' ' ') torch==2.13.0
     touch "$marker"
 fi
+# vLLM's own NixlConnector, the baseline of scripts/bench-vllm.sh, imports nixl._api; the
+# `nixl` package picks nixl_cu<CUDA major of torch>, i.e. nixl-cu13 for PyPI's torch 2.13.0.
+if ! "$py" -c 'import nixl._api' 2>/dev/null; then
+    say "nixl 1.5.1 (for vLLM's NixlConnector)"
+    pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+fi
 if ! "$py" -c 'import pytest, safetensors' 2>/dev/null; then
     pip install -q 'pytest>=8' safetensors
 fi
