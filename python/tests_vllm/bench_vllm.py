@@ -17,7 +17,6 @@ Usage: bench_vllm.py [--model DIR] [--prompt-len 2048] [--requests 4] [--batches
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import tempfile
@@ -25,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import MODELS, Engine, free_port
+from flows import BLOCK, prompt
+from harness import MODELS, Engine, free_port, start
 from timed_connectors import collect
 
 CONNECTORS = {
     "nixl": ("NixlConnector", "timed_connectors"),
     "kvxfer": ("KvxferConnector", "timed_connectors"),
 }
-BLOCK = 32
 
 
 def kv_bytes_per_token(model: Path, dtype_size: int) -> int:
@@ -62,58 +61,45 @@ def loaded_at(loaded: dict[str, float], req_id: str) -> float:
 
 def run_connector(name: str, a: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     cls = CONNECTORS[name]
-    p_port, d_port = free_port(), free_port()
     opts = {"dtype": a.dtype, "max_model_len": a.prompt_len + 64, "max_num_seqs": a.requests}
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib),
         "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
         **({"UCX_TLS": a.kvxfer_ucx_tls} if a.kvxfer_ucx_tls and name == "kvxfer" else {}),
     }
-    stats = {role: logdir / f"stats-{role}-{name}" for role in ("prefill", "decode")}
-    for dir in stats.values():
-        dir.mkdir()
+    stats: dict[str, Path] = {}
 
     def extra(port: int) -> dict[str, Any]:
         if name == "nixl":
             return {"kv_lease_duration": 600}
         return {"transport": a.transport, "side_channel_port": port, "lease": 600}
 
-    p = Engine(
-        f"prefill-{name}",
-        "0",
-        extra(p_port),
-        logdir,
-        model=a.model,
-        opts={**opts, "prefix_caching": True},
-        connector=cls,
-        env={
-            **env,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
-            "KVXFER_BENCH_STATS": str(stats["prefill"]),
-        },
-    )
-    d = Engine(
-        f"decode-{name}",
-        "1",
-        extra(d_port),
-        logdir,
-        model=a.model,
-        opts={**opts, "prefix_caching": False},
-        connector=cls,
-        env={
-            **env,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
-            "KVXFER_BENCH_STATS": str(stats["decode"]),
-        },
-    )
+    def engine(role: str, cpus: str, prefix_caching: bool) -> Engine:
+        port = free_port()
+        stats[role] = logdir / f"stats-{role}-{name}"
+        stats[role].mkdir()
+        return Engine(
+            f"{role}-{name}",
+            cpus,
+            extra(port),
+            logdir,
+            model=a.model,
+            opts={**opts, "prefix_caching": prefix_caching},
+            connector=cls,
+            env={
+                **env,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+                "KVXFER_BENCH_STATS": str(stats[role]),
+            },
+        )
+
+    # The prefill caches prefixes (later batches cost it one block each); the decode does not,
+    # so that it loads every block.
+    p, d = start([engine("prefill", "0", True), engine("decode", "1", False)], timeout=900)
     try:
-        for e in (p, d):
-            assert e.wait(timeout=900) == {"ready": e.role}
         # Each instrumented process (EngineCore: scheduler half; worker) has answered once.
         procs = {r: len(list(dir.glob("*.json"))) for r, dir in stats.items()}
-        prompts = [
-            random.Random(i).choices(range(3, 1000), k=a.prompt_len) for i in range(a.requests)
-        ]
+        prompts = [prompt(i, a.prompt_len) for i in range(a.requests)]
 
         def prefill() -> list[Any]:
             reqs = [{"prompt": x, "params": {"do_remote_decode": True}} for x in prompts]

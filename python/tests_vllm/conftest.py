@@ -25,11 +25,15 @@ def engines(
         pytest.skip(f"{request.param}: {e}")
     logdir = tmp_path_factory.mktemp(f"vllm-{request.param}")
     extra = {"transport": request.param}
-    p = Engine("prefill", "0", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL)
-    d = Engine("decode", "1", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL)
+    p, d = start(
+        [
+            Engine(
+                "prefill", "0", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL
+            ),
+            Engine("decode", "1", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL),
+        ]
+    )
     try:
-        for e in (p, d):
-            assert e.wait(timeout=600) == {"ready": e.role}
         yield p, d
     finally:
         p.close()

@@ -159,11 +159,11 @@ class Engine:
         self.log.close()
 
 
-def start(engines: list[Engine]) -> list[Engine]:
+def start(engines: list[Engine], timeout: float = 600) -> list[Engine]:
     """Waits until every engine is ready (they start in parallel); closes all on failure."""
     try:
         for e in engines:
-            assert e.wait(timeout=600) == {"ready": e.role}
+            assert e.wait(timeout=timeout) == {"ready": e.role}
     except BaseException:
         for e in engines:
             e.close()
