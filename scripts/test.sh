@@ -3,8 +3,10 @@
 # test CI runs. Safe to run again: each prerequisite is checked first and installed only when
 # missing (a second run spends seconds on set-up).
 #
-#   scripts/test.sh            set up, then: cargo test --workspace --all-features, a short
-#                              fuzz pass per target, every benchmark script in its smoke mode
+#   scripts/test.sh            set up, then: cargo test --workspace --all-features, the UCX
+#                              suite again on NIXL's bundled UCX, the Python and real-vLLM
+#                              tests, a short fuzz pass per target, every benchmark script
+#                              in its smoke mode
 #   scripts/test.sh --setup    set up only, then print the environment to export
 #
 # Installing needs root (apt-get) and the package registries (Debian, PyPI); without them the
@@ -76,6 +78,13 @@ fi
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 say "cargo test --workspace --all-features"
 cargo test --workspace --all-features
+
+# The UCX transport opens libucp at run time; run its suite again on the UCX that NIXL's wheel
+# bundles (1.23 in nixl 1.5.1), which KvxferConnector uses where a NIXL wheel is installed.
+nixl_site=$("$root/.venv-nixl/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+bundled_ucp=$(ls "$nixl_site"/nixl_cu12.libs/libucp-*.so* | head -n 1)
+say "the UCX suite on NIXL's bundled UCX ($bundled_ucp)"
+KVXFER_UCX_LIBRARY="$bundled_ucp" cargo test -p kvxfer-tests --all-features --test ucx
 
 say "Python package: ruff, then pytest"
 "$root/.venv-py/bin/ruff" check python

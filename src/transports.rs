@@ -109,6 +109,21 @@ pub fn availability(kind: TransportKind) -> TransportResult<()> {
     }
 }
 
+/// The version of the UCX library the `ucx` transport uses in this process, loading it if
+/// needed (`$KVXFER_UCX_LIBRARY`, else the system's `libucp.so.0`).
+pub fn ucx_version() -> TransportResult<String> {
+    availability(TransportKind::Ucx)?;
+    #[cfg(feature = "ucx")]
+    {
+        kvxfer_transport_ucx::library_version().map_err(|reason| TransportError::NotAvailable {
+            what: "the UCX library".into(),
+            reason,
+        })
+    }
+    #[cfg(not(feature = "ucx"))]
+    unreachable!("availability() refuses a transport this build lacks")
+}
+
 /// Creates agent `agent` of the transport `kind`.
 pub fn open(kind: TransportKind, agent: &str) -> TransportResult<AnyTransport> {
     availability(kind)?;

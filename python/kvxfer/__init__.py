@@ -6,6 +6,8 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
   exchange metadata, READ/WRITE with notifications, poll status, drain notifications.
 - :class:`PullScheduler` and :class:`PullWorker` — the two halves of the pull connector
   (decode READs the prefill's blocks); what crosses between them is JSON text.
+- :func:`ucx_version` — the UCX library the ``ucx`` transport uses in this process, and
+  :mod:`kvxfer.ucx` to choose it.
 - The exceptions, all subclasses of :class:`KvxferError`.
 """
 
@@ -29,6 +31,7 @@ from kvxfer._kvxfer import (
     TransferTimeoutError,
     UnknownPeerError,
     __version__,
+    ucx_version,
 )
 
 __all__ = [
@@ -51,4 +54,5 @@ __all__ = [
     "TransferTimeoutError",
     "UnknownPeerError",
     "__version__",
+    "ucx_version",
 ]

@@ -4,6 +4,10 @@ from typing import Any, Literal
 
 __version__: str
 
+def ucx_version() -> str:
+    """The version of the UCX library the ``ucx`` transport uses in this process, loading it
+    (``$KVXFER_UCX_LIBRARY``, else the system's ``libucp.so.0``); raises NotAvailableError."""
+
 class KvxferError(Exception): ...
 class NotAvailableError(KvxferError): ...
 class NotSupportedError(KvxferError): ...

@@ -14,7 +14,9 @@ Load it out of tree, on both engines::
 ``nixl``), ``side_channel_host`` (``127.0.0.1``; what the worker listeners bind and what the
 prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d`` listens on
 ``port + d * tp_size + r``), ``lease`` (seconds the prefill holds unread blocks, 30),
-``transfer_timeout`` (30), ``handshake_timeout`` (5), ``enforce_compat`` (true).
+``transfer_timeout`` (30), ``handshake_timeout`` (5), ``enforce_compat`` (true),
+``ucx_library`` (``auto``: the UCX a NIXL wheel bundles when one is installed, else the
+system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`).
 ``kv_transfer_config.kv_load_failure_policy`` (``fail`` or ``recompute``) decides what vLLM
 does with a failed load.
 
@@ -42,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 import kvxfer
+import kvxfer.ucx
 from kvxfer.vllm_stats import KvxferPromMetrics, KvxferStats
 
 if TYPE_CHECKING:
@@ -248,9 +251,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
         tp_rank = get_tensor_model_parallel_rank()
         e = self._extra
+        transport = str(e.get("transport", "ucx"))
+        if transport == "ucx":
+            library = kvxfer.ucx.select(str(e.get("ucx_library", "auto")))
+            log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
         self._worker = kvxfer.PullWorker(
             f"{self._engine_id}-{tp_rank}",
-            str(e.get("transport", "ucx")),
+            transport,
             engine_id=self._engine_id,
             tp_rank=tp_rank,
             tp_size=par.tensor_parallel_size,

@@ -9,10 +9,20 @@ mod pull;
 
 use pyo3::prelude::*;
 
+/// The version of the UCX library the `ucx` transport uses in this process (`"1.23.0"`),
+/// loading it on first use: the file `$KVXFER_UCX_LIBRARY` names, else the system's
+/// `libucp.so.0`. One library per process: the first load decides.
+#[pyfunction]
+fn ucx_version(py: Python<'_>) -> PyResult<String> {
+    py.detach(kvxfer::transports::ucx_version)
+        .map_err(errors::transport)
+}
+
 /// The extension module.
 #[pymodule]
 fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add_class::<agent::Agent>()?;
     m.add_class::<pull::PullScheduler>()?;
     m.add_class::<pull::PullWorker>()?;

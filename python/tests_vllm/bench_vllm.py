@@ -17,6 +17,7 @@ Usage: bench_vllm.py [--model DIR] [--prompt-len 2048] [--requests 4] [--batches
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -72,7 +73,12 @@ def run_connector(name: str, a: argparse.Namespace, logdir: Path) -> dict[str, A
     def extra(port: int) -> dict[str, Any]:
         if name == "nixl":
             return {"kv_lease_duration": 600}
-        return {"transport": a.transport, "side_channel_port": port, "lease": 600}
+        return {
+            "transport": a.transport,
+            "side_channel_port": port,
+            "lease": 600,
+            "ucx_library": a.kvxfer_ucx_library,
+        }
 
     def engine(role: str, cpus: str, prefix_caching: bool) -> Engine:
         port = free_port()
@@ -161,7 +167,8 @@ def run_connector(name: str, a: argparse.Namespace, logdir: Path) -> dict[str, A
                     "thread_ms_prefill": thread_deltas(sp0, sp1),
                 }
             )
-        return {"requests": requests, "batches": batches}
+        ucx = re.findall(r"kvxfer: UCX (\S+)", d.log_text())
+        return {"requests": requests, "batches": batches, "ucx": ucx[0] if ucx else None}
     finally:
         p.close()
         d.close()
@@ -200,6 +207,12 @@ def main() -> int:
         help="UCX_TLS for kvxfer's engines, e.g. sm,self (NIXL's UCX refuses sm,self: it "
         "needs a transport with peer failure handling, so NIXL keeps UCX's defaults)",
     )
+    ap.add_argument(
+        "--kvxfer-ucx-library",
+        default="auto",
+        help="the UCX kvxfer's engines open (extra-config ucx_library): auto (a NIXL wheel's "
+        "bundled UCX when installed), system, nixl, or a path",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 × 100 tokens, 1 batch")
     a = ap.parse_args()
@@ -230,7 +243,8 @@ def main() -> int:
     print(
         f"\n{a.requests} concurrent requests × {a.batches} batches, {a.prompt_len}-token prompts, "
         f"{n['mib_per_request']:.0f} MiB of KV each ({a.model.name}, {a.dtype}); "
-        f"kvxfer over {a.transport}; UCX_TLS={a.kvxfer_ucx_tls or '(UCX default)'}"
+        f"kvxfer over {a.transport} (UCX {results['kvxfer']['ucx'] or 'via NIXL'}); "
+        f"UCX_TLS={a.kvxfer_ucx_tls or '(UCX default)'}"
     )
     print("| | NixlConnector | KvxferConnector | ratio |")
     print("|---|---|---|---|")

@@ -21,25 +21,51 @@ use std::sync::OnceLock;
 
 include!(concat!(env!("OUT_DIR"), "/ucp_bindings.rs"));
 
-/// The UCP library opened at run time.
+/// The UCP library opened at run time unless [`LIBRARY_ENV`] names another.
 pub const LIBRARY: &str = "libucp.so.0";
+
+/// The variable naming the UCP library to open (a path, or a name the loader searches for).
+pub const LIBRARY_ENV: &str = "KVXFER_UCX_LIBRARY";
 
 static API: OnceLock<Result<UcpLibrary, String>> = OnceLock::new();
 
-/// Opens the UCP library once; later calls return the same result.
+/// The library [`load`] opens: `$KVXFER_UCX_LIBRARY`, else [`LIBRARY`].
+pub fn library_name() -> String {
+    std::env::var(LIBRARY_ENV)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| LIBRARY.to_string())
+}
+
+/// Opens the UCP library once per process; later calls return the same result (the first
+/// agent's choice holds for the process).
 pub fn load() -> Result<&'static UcpLibrary, String> {
     API.get_or_init(|| {
+        let name = library_name();
         // SAFETY: loading UCX runs its initialisers, as linking it would; every symbol we
         // bind is resolved now (`dynamic_link_require_all`), so a wrong library fails here.
-        unsafe { UcpLibrary::new(LIBRARY) }.map_err(|e| {
+        let lib = unsafe { UcpLibrary::new(&name) }.map_err(|e| {
             format!(
-                "{LIBRARY} cannot be loaded ({e}); install UCX >= 1.13 \
-                 (`apt-get install libucx0`)"
+                "{name} cannot be loaded ({e}); install UCX >= 1.13 \
+                 (`apt-get install libucx0`) or point {LIBRARY_ENV} at a libucp"
             )
-        })
+        })?;
+        // SAFETY: a static C string from the library just opened.
+        let version = unsafe { CStr::from_ptr(lib.ucp_get_version_string()) };
+        tracing::info!("UCX {} from {name}", version.to_string_lossy());
+        Ok(lib)
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// The loaded library's version text (`"1.13.1"`), or why it cannot be loaded.
+pub fn version() -> Result<String, String> {
+    let lib = load()?;
+    // SAFETY: `ucp_get_version_string` returns a static C string.
+    Ok(unsafe { CStr::from_ptr(lib.ucp_get_version_string()) }
+        .to_string_lossy()
+        .into_owned())
 }
 
 /// The library; only called after [`load`] succeeded (every agent loads it first).
