@@ -3,6 +3,7 @@
 The library is loaded once per process, so what loads one runs in a child interpreter.
 """
 
+import ctypes
 import os
 import re
 import subprocess
@@ -68,6 +69,10 @@ def test_the_system_library_by_default() -> None:
     except kvxfer.NotAvailableError as e:
         pytest.skip(f"no UCX here: {e}")
     assert re.fullmatch(r"1\.\d+\.\d+", version), version
+    # The library's own answer, asked without kvxfer.
+    ucp = ctypes.CDLL("libucp.so.0")
+    ucp.ucp_get_version_string.restype = ctypes.c_char_p
+    assert version == ucp.ucp_get_version_string().decode()
     for named in ("libucp.so.0", ""):  # empty: as if unset
         r = child("import kvxfer; print(kvxfer.ucx_version())", KVXFER_UCX_LIBRARY=named)
         assert r.stdout.strip() == version, (named, r.stderr)
