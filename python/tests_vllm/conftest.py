@@ -11,18 +11,23 @@ from harness import MODEL, Engine, free_port, start
 HANDSHAKE_TIMEOUT = 10
 
 
-@pytest.fixture(scope="session", params=["ucx", "nixl"])
-def engines(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Engine, Engine]]:
+def _usable_or_skip(transport: str) -> None:
+    """Skips unless the test model exists and `transport` can make an agent here."""
     if not Path(MODEL, "config.json").exists():
         pytest.skip(f"no test model at {MODEL}: run scripts/vllm-env.sh")
     import kvxfer
 
     try:
-        kvxfer.Agent(f"probe-{os.getpid()}", request.param).shutdown()
+        kvxfer.Agent(f"probe-{os.getpid()}", transport).shutdown()
     except kvxfer.NotAvailableError as e:
-        pytest.skip(f"{request.param}: {e}")
+        pytest.skip(f"{transport}: {e}")
+
+
+@pytest.fixture(scope="session", params=["ucx", "nixl"])
+def engines(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Engine]]:
+    _usable_or_skip(request.param)
     logdir = tmp_path_factory.mktemp(f"vllm-{request.param}")
     extra = {"transport": request.param}
     p, d = start(
@@ -41,21 +46,10 @@ def engines(
         print(f"engine logs: {logdir}")
 
 
-def _ucx_or_skip() -> None:
-    if not Path(MODEL, "config.json").exists():
-        pytest.skip(f"no test model at {MODEL}: run scripts/vllm-env.sh")
-    import kvxfer
-
-    try:
-        kvxfer.Agent(f"probe-{os.getpid()}", "ucx").shutdown()
-    except kvxfer.NotAvailableError as e:
-        pytest.skip(f"ucx: {e}")
-
-
 @pytest.fixture(scope="module")
 def bf16_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     """A bf16 prefill and a bf16 decode with prefix caching on (UCX)."""
-    _ucx_or_skip()
+    _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-bf16")
     opts = {"dtype": "bfloat16"}
     p, d = start(
@@ -95,7 +89,7 @@ def fault_decodes(fault_logdir: Path) -> Iterator[dict[str, Engine]]:
     that a test ending in time shows a failed read detected, not timed out. A handshake in
     flight is bounded by the handshake timeout only (a ZMQ REQ does not report that its peer
     went away), so that one is short."""
-    _ucx_or_skip()
+    _usable_or_skip("ucx")
     extra = {"handshake_timeout": HANDSHAKE_TIMEOUT, "transfer_timeout": 120}
     decodes = {
         policy: Engine(
