@@ -290,7 +290,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self._live_worker().start_load_kv(meta.step_json)
+        for reason in self._live_worker().start_load_kv(meta.step_json):
+            log.warning("kvxfer: load refused: %s", reason)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous: vLLM schedules a request only once get_finished says so.

@@ -33,6 +33,7 @@ COUNTERS: dict[str, str] = {
     "failed_transfers": "Transfers that failed",
     "failed_notifications": "Notifications to the prefill that could not be sent",
     "expired_leases": "Prefill requests freed because no decode read them in time",
+    "refused_loads": "Loads refused because one of the same request was in flight",
 }
 
 
@@ -75,6 +76,7 @@ class KvxferStats(KVConnectorStats):
             "failed_transfers": d.get("failed_transfers", 0),
             "failed_notifications": d.get("failed_notifications", 0),
             "expired_leases": d.get("expired_leases", 0),
+            "refused_loads": d.get("refused_loads", 0),
         }
 
 

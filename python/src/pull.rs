@@ -259,8 +259,9 @@ impl PullWorker {
     }
 
     /// Starts the step's loads and holds (`meta_json` from `PullScheduler.build_step_meta`);
-    /// never blocks on a peer.
-    fn start_load_kv(&self, py: Python<'_>, meta_json: &str) -> PyResult<()> {
+    /// never blocks on a peer. Returns why any load was refused (a load of the same request
+    /// already in flight): the others start regardless.
+    fn start_load_kv(&self, py: Python<'_>, meta_json: &str) -> PyResult<Vec<String>> {
         if meta_json.len() > MAX_STEP_META_BYTES {
             return Err(InvalidArgumentError::new_err(
                 "step metadata exceeds 64 MiB",
@@ -269,8 +270,10 @@ impl PullWorker {
         let meta: StepMeta = serde_json::from_str(meta_json)
             .map_err(|e| InvalidArgumentError::new_err(format!("step metadata: {e}")))?;
         self.with(py, |w| {
-            w.start_load_kv(&meta);
-            Ok(())
+            Ok(w.start_load_kv(&meta)
+                .iter()
+                .map(ToString::to_string)
+                .collect())
         })
     }
 
@@ -340,6 +343,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("failed_transfers", m.failed_transfers)?;
     d.set_item("failed_notifications", m.failed_notifications)?;
     d.set_item("expired_leases", m.expired_leases)?;
+    d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("handshake_time", m.handshake_time.as_secs_f64())?;
     d.set_item("handshakes", m.handshakes)?;
     Ok(d)

@@ -121,6 +121,23 @@ def test_decode_pulls_the_prefill_blocks(transport: str, kind: str) -> None:
     p.shutdown()
 
 
+def test_a_second_load_of_a_request_in_flight_is_refused() -> None:
+    src, dst = cache("split-kv", 30), cache("split-kv", None)
+    p, p_engine = worker("P", "loopback", "split-kv", src)
+    d, _ = worker("D", "loopback", "split-kv", dst)
+    _, params = hand_off(p, p_engine, [5])
+    dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
+    dsched.after_alloc("r1", params, [6], 4)
+    step = dsched.build_step_meta()
+    assert d.start_load_kv(step) == []
+    assert d.start_load_kv(step) == ["a load of request r1 is already in flight"]
+    _, recving, failed = poll(d, "r1", 1)
+    assert (recving, failed) == (["r1"], [])
+    assert d.take_metrics()["refused_loads"] == 1
+    d.shutdown()
+    p.shutdown()
+
+
 def test_incompatible_prefill_fails_the_load_naming_the_mismatch() -> None:
     src, dst = cache("split-kv", 20, head_dim=8), cache("split-kv", None)
     p, p_engine = worker("P", "loopback", "split-kv", src, head_dim=8)

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvxfer_core::clock::{Clock, ManualClock};
-use kvxfer_core::pull::PullConfig;
+use kvxfer_core::pull::{LoadRefused, PullConfig};
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::loopback::Loopback;
 use kvxfer_tests::pull_env::{Model, engine, poll_until};
@@ -70,6 +70,61 @@ fn request_finishes_only_when_all_its_transfers_do() {
         f[0].recving == vec!["r".to_string()]
     });
     dec.caches[0].verify(&[(1, 2)]).expect("bytes");
+}
+
+#[test]
+fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("dup-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let mut dec = engine("dup-D", &model, 1, false, c, &lb, &no_tune);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    let params = pre.finish_prefill("r", &[1]);
+    let meta = dec.start_load("r", &params, &[2], 4);
+    let dup = || vec![LoadRefused::AlreadyInFlight("r".into())];
+    // Queued behind its handshake.
+    assert_eq!(dec.workers[0].start_load_kv(&meta), dup());
+    let start = std::time::Instant::now();
+    while dec.workers[0].transport().open_transfers() == 0 {
+        assert!(dec.poll()[0].recving.is_empty());
+        assert!(start.elapsed().as_secs() < 60, "the READ was never posted");
+        std::thread::yield_now();
+    }
+    // Posted, its completion held.
+    assert_eq!(dec.workers[0].start_load_kv(&meta), dup());
+    for _ in 0..10 {
+        assert!(dec.poll()[0].recving.is_empty());
+    }
+    assert_eq!(
+        dec.workers[0].transport().open_transfers(),
+        1,
+        "a second READ"
+    );
+    faults.release_held();
+    let mut reported = Vec::new();
+    poll_until(&mut [&mut dec], |_, f| {
+        reported.extend(f[0].recving.clone());
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        !reported.is_empty()
+    });
+    assert_eq!(reported, vec!["r".to_string()]);
+    dec.caches[0].verify(&[(1, 2)]).expect("bytes");
+    // Ended but not yet reported: a load with nothing to read ends when it starts.
+    let mut both = meta.clone();
+    both.recv[0].req_id = "s".into();
+    both.recv[0].local_block_ids.clear();
+    both.recv.push(both.recv[0].clone());
+    assert_eq!(
+        dec.workers[0].start_load_kv(&both),
+        vec![LoadRefused::AlreadyInFlight("s".into())]
+    );
+    assert_eq!(dec.poll()[0].recving, vec!["s".to_string()]);
+    assert_eq!(dec.workers[0].take_metrics().refused_loads, 3);
+    // Reported, the id may be loaded again.
+    let mut again = meta.clone();
+    again.recv[0].local_block_ids = vec![3];
+    assert!(dec.workers[0].start_load_kv(&again).is_empty());
 }
 
 #[test]

@@ -31,6 +31,8 @@ pub struct PullMetrics {
     pub failed_notifications: u64,
     /// Held requests freed because their lease expired.
     pub expired_leases: u64,
+    /// Loads refused because one of the same request id was already in flight.
+    pub refused_loads: u64,
     /// Handshake durations observed, summed, and their count.
     pub handshake_time: Duration,
     /// Handshakes completed.
@@ -91,6 +93,7 @@ impl PullMetrics {
         self.failed_transfers += o.failed_transfers;
         self.failed_notifications += o.failed_notifications;
         self.expired_leases += o.expired_leases;
+        self.refused_loads += o.refused_loads;
         self.handshake_time += o.handshake_time;
         self.handshakes += o.handshakes;
         self.backend.merge(&o.backend);

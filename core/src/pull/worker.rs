@@ -46,6 +46,15 @@ pub enum PullError {
     SideChannel(String),
 }
 
+/// A load in the step metadata that was not started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadRefused {
+    /// A load of this request id is already in flight (loading, waiting for its
+    /// handshake, or ended and not yet reported): the first one continues untouched.
+    #[error("a load of request {0} is already in flight")]
+    AlreadyInFlight(String),
+}
+
 /// A load that could not complete: its local blocks hold no valid data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailedLoad {
@@ -235,9 +244,13 @@ impl<T: Transport> PullWorker<T> {
     }
 
     /// Starts the step's loads and holds. Never blocks: handshakes run on their own threads.
-    pub fn start_load_kv(&mut self, meta: &StepMeta) {
+    /// Starts this step's loads and holds; returns the loads it refused (each counted in
+    /// [`PullMetrics::refused_loads`]), which the engine should log: the step's other loads
+    /// are started regardless.
+    pub fn start_load_kv(&mut self, meta: &StepMeta) -> Vec<LoadRefused> {
+        let mut refused = Vec::new();
         if self.shut_down {
-            return;
+            return refused;
         }
         let now = self.clock.now();
         for req_id in &meta.hold {
@@ -253,6 +266,11 @@ impl<T: Transport> PullWorker<T> {
             self.hold_or_free(req_id.clone(), held);
         }
         for req in &meta.recv {
+            if self.in_flight(&req.req_id) {
+                self.metrics.refused_loads += 1;
+                refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
+                continue;
+            }
             match self.engines.get(&req.engine_id) {
                 Some(Engine::Ready { .. }) => self.issue(req.clone()),
                 Some(Engine::Handshaking) => self
@@ -271,6 +289,14 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
         }
+        refused
+    }
+
+    /// Whether a load of `req_id` started and the engine has not yet been told it ended.
+    fn in_flight(&self, req_id: &str) -> bool {
+        self.loads.contains_key(req_id)
+            || self.queued.values().flatten().any(|r| r.req_id == req_id)
+            || self.finished.recving.iter().any(|r| r == req_id)
     }
 
     /// Progresses everything and reports what finished since the last call.
