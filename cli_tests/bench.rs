@@ -148,6 +148,12 @@ fn bench_errors_are_clear() {
         (&["bench", "--memory", "gpu"], "GPU memory"),
         (&["bench", "--tp", "3:1"], "not divisible"),
         (&["bench", "--requests", "0"], "must be positive"),
+        // Caches larger than the machine: refused before anything is mapped.
+        (&["bench", "--num-blocks", "4000000000"], "available"),
+        (
+            &["bench", "--mode", "push", "--num-blocks", "4000000000"],
+            "available",
+        ),
     ];
     for (args, needle) in cases {
         let (code, _, err) = kvxfer(args);

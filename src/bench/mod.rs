@@ -104,6 +104,9 @@ pub enum BenchError {
     /// Bytes arrived wrong.
     #[error("verification failed: {0}")]
     Verification(String),
+    /// The caches do not fit in this machine's memory.
+    #[error("KV cache: {0}")]
+    Memory(#[from] kvxfer_core::host_mem::HostMemError),
 }
 
 pub(crate) struct Rank {
@@ -114,13 +117,15 @@ pub(crate) struct Rank {
 }
 
 impl Rank {
-    pub(crate) fn new(spec: CacheSpec, first_head: u32) -> Self {
-        Rank {
-            mem: kvxfer_core::host_mem::HostMem::new(spec.total_bytes() as usize, 0x5a),
+    pub(crate) fn new(spec: CacheSpec, first_head: u32) -> Result<Self, BenchError> {
+        let len = usize::try_from(spec.total_bytes())
+            .map_err(|_| BenchError::Config("KV cache larger than the address space".into()))?;
+        Ok(Rank {
+            mem: kvxfer_core::host_mem::HostMem::try_new(len, 0x5a)?,
             spec,
             first_head,
             first_layer: 0,
-        }
+        })
     }
 
     pub(crate) fn kv(&mut self, model: &ModelShape) -> KvCache {
@@ -206,7 +211,7 @@ fn side(
                 c.block_size,
                 num_blocks,
             ))?;
-            let mut rank = Rank::new(spec, heads.first);
+            let mut rank = Rank::new(spec, heads.first)?;
             if prefill {
                 fill::fill(&mut rank.mem, &spec, (heads.first, 0));
             }
