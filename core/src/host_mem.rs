@@ -155,7 +155,11 @@ mod tests {
         assert!(m.iter().all(|&b| b == 7));
         m[5] = 9;
         assert_eq!(m.as_slice()[5], 9);
+        m.as_mut_slice()[6] = 8;
+        assert_eq!(m[6], 8);
+        assert_eq!(m.as_mut_slice().len(), 3 << 20);
         let a = m.addr();
+        assert_eq!(a, m.as_ptr() as u64);
         assert!(m.contains(a, 3 << 20));
         assert!(!m.contains(a, (3 << 20) + 1));
         assert!(!m.contains(a - 1, 1));
