@@ -27,7 +27,6 @@ fn meta() -> HandshakeMeta {
         kvxfer_protocol: Some(1),
         kvxfer_tp_rank: Some(0),
         kvxfer_layout: None,
-        kvxfer_compat_digest: None,
         kvxfer_lease_ms: None,
     }
 }

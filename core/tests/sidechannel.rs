@@ -20,7 +20,6 @@ fn meta(engine: &str, rank: u32) -> HandshakeMeta {
         kvxfer_protocol: Some(1),
         kvxfer_tp_rank: Some(rank),
         kvxfer_layout: None,
-        kvxfer_compat_digest: None,
         kvxfer_lease_ms: Some(30_000),
     }
 }

@@ -28,7 +28,6 @@ fn handshake() -> HandshakeMeta {
         kvxfer_protocol: Some(1),
         kvxfer_tp_rank: Some(1),
         kvxfer_layout: None,
-        kvxfer_compat_digest: Some("00ff".into()),
         kvxfer_lease_ms: Some(30_000),
     }
 }

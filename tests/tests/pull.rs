@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use kvxfer_core::clock::{Clock, ManualClock};
 use kvxfer_core::pull::{LoadRefused, PullConfig};
+use kvxfer_core::sidechannel::{Listener, fetch_metadata};
+use kvxfer_core::wire::handshake::{MAX_HANDSHAKE_BYTES, PROTOCOL_VERSION};
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::loopback::Loopback;
 use kvxfer_tests::pull_env::{Model, engine, poll_until};
@@ -125,6 +127,51 @@ fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
     let mut again = meta.clone();
     again.recv[0].local_block_ids = vec![3];
     assert!(dec.workers[0].start_load_kv(&again).is_empty());
+}
+
+#[test]
+fn a_kvxfer_peer_of_another_protocol_version_is_refused_naming_both() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("proto-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let params = pre.finish_prefill("r", &[1]);
+    let (host, port) = (
+        params.remote_host.clone().unwrap(),
+        params.remote_port.unwrap(),
+    );
+    let wait = std::time::Duration::from_secs(5);
+    let mut meta = fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap();
+    meta.kvxfer_protocol = Some(PROTOCOL_VERSION + 1);
+    // The same prefill, announced by a listener that claims the next protocol version.
+    let forged = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
+    let mut at_forged = params.clone();
+    at_forged.remote_port = Some(forged.port());
+    let mut strict = engine("proto-D1", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
+    strict.start_load("r", &at_forged, &[2], 4);
+    let reason = first_failure(&mut strict)[0].reason.clone();
+    let want = format!(
+        "kvxfer protocol: local {PROTOCOL_VERSION}, remote {}",
+        PROTOCOL_VERSION + 1
+    );
+    assert!(reason.contains(&want), "{reason}");
+    strict.caches[0].verify(&[]).expect("nothing written");
+    // A layout with no protocol version at all is refused too.
+    meta.kvxfer_protocol = None;
+    let unversioned = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
+    let mut at_unversioned = params.clone();
+    at_unversioned.remote_port = Some(unversioned.port());
+    strict.start_load("r2", &at_unversioned, &[3], 4);
+    let reason = first_failure(&mut strict)[0].reason.clone();
+    assert!(reason.contains("remote none"), "{reason}");
+    // The escape hatch lets it through, and the bytes move.
+    let lax_cfg = |cfg: &mut PullConfig| cfg.enforce_compat = false;
+    let mut lax = engine("proto-D2", &model, 1, false, c, &lb, &lax_cfg);
+    lax.start_load("r", &at_forged, &[2], 4);
+    poll_until(&mut [&mut lax], |_, f| {
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        !f[0].recving.is_empty()
+    });
+    lax.caches[0].verify(&[(1, 2)]).expect("bytes");
 }
 
 #[test]

@@ -30,7 +30,7 @@ use crate::sidechannel::{Listener, fetch_metadata, side_channel_port};
 use crate::transport::{
     AddrRange, Op, PeerId, Registration, Transport, TransportError, XferId, XferStatus,
 };
-use crate::wire::handshake::{HandshakeMeta, LayoutWire, PROTOCOL_VERSION, compat_digest};
+use crate::wire::handshake::{HandshakeMeta, LayoutWire, PROTOCOL_VERSION};
 
 /// Errors setting a worker up.
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +169,6 @@ impl<T: Transport> PullWorker<T> {
             attn_backend_name: config.backend_name.clone(),
             kvxfer_protocol: Some(PROTOCOL_VERSION),
             kvxfer_tp_rank: Some(config.tp_rank),
-            kvxfer_compat_digest: Some(compat_digest(&layout, &config.backend_name)),
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
         };
@@ -420,6 +419,13 @@ impl<T: Transport> PullWorker<T> {
         }
         let (spec, first_layer) = match &meta.kvxfer_layout {
             Some(layout) => {
+                if meta.kvxfer_protocol != Some(PROTOCOL_VERSION) {
+                    problems.push(format!(
+                        "kvxfer protocol: local {PROTOCOL_VERSION}, remote {}",
+                        meta.kvxfer_protocol
+                            .map_or_else(|| "none".to_string(), |v| v.to_string())
+                    ));
+                }
                 let spec = layout.to_spec().map_err(|e| e.to_string())?;
                 let local = SideLayout {
                     spec: &own.spec,

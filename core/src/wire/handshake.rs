@@ -52,9 +52,6 @@ pub struct HandshakeMeta {
     /// The full layout spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_layout: Option<LayoutWire>,
-    /// Digest of everything that must match between prefill and decode.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kvxfer_compat_digest: Option<String>,
     /// How long the prefill holds unread blocks without a heartbeat, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_lease_ms: Option<u64>,
@@ -131,25 +128,6 @@ impl LayoutWire {
         })
         .map_err(|e| invalid(e.to_string()))
     }
-}
-
-/// Digest of what must match between the two sides regardless of parallelism: protocol,
-/// cache kind and order, dtype, head dim, block size, model layers and heads, backend.
-pub fn compat_digest(layout: &LayoutWire, backend: &str) -> String {
-    let canon = format!(
-        "kvxfer/{PROTOCOL_VERSION}|{}|{}|{}|{}|{}|{}|{}|{backend}",
-        layout.kind,
-        layout.order,
-        layout.dtype,
-        layout.head_dim,
-        layout.tokens_per_block,
-        layout.total_layers,
-        layout.total_kv_heads
-    );
-    let hash = canon.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{hash:016x}")
 }
 
 impl HandshakeMeta {
@@ -256,7 +234,6 @@ mod tests {
             attn_backend_name: "FLASH_ATTN".into(),
             kvxfer_protocol: Some(PROTOCOL_VERSION),
             kvxfer_tp_rank: Some(0),
-            kvxfer_compat_digest: Some(compat_digest(&layout, "FLASH_ATTN")),
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(30_000),
         }
@@ -380,18 +357,5 @@ mod tests {
             }
             let _ = HandshakeMeta::decode(&b, MAX_HANDSHAKE_BYTES);
         }
-    }
-
-    #[test]
-    fn digest_ignores_parallelism_but_not_shape() {
-        let s = spec();
-        let a = LayoutWire::from_spec(&s, 8, 2, 0);
-        let mut b = a.clone();
-        b.kv_heads = 4;
-        b.num_blocks = 99;
-        assert_eq!(compat_digest(&a, "X"), compat_digest(&b, "X"));
-        b.dtype = "f16".into();
-        assert_ne!(compat_digest(&a, "X"), compat_digest(&b, "X"));
-        assert_ne!(compat_digest(&a, "X"), compat_digest(&a, "Y"));
     }
 }
