@@ -107,35 +107,3 @@ def fault_decodes(fault_logdir: Path) -> Iterator[dict[str, Engine]]:
     for e in decodes.values():
         e.close()
     print(f"engine logs: {fault_logdir}")
-
-
-@pytest.fixture(scope="module")
-def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    """Heterogeneous tensor parallelism over UCX: a TP 1 prefill and a TP 2 decode (one KV
-    head per decode rank on the test model), decode rank 0 sharing core 0 with the prefill.
-
-    The timeouts are raised for vLLM's sake: a rank of the TP 2 decode waiting idle for its
-    next step misses the step's wake-up now and then (vLLM's shared-memory queue notifies
-    over ZMQ PUB/SUB, which drops; vLLM 0.32 rechecks every 5 s, vLLM PR #45224). Measured
-    here: rank 0 started a step 5.3 s and 30.0 s after rank 1, using no CPU meanwhile, while
-    each handshake took 1-10 ms; the default timeouts (5 s, 30 s) then fail the load."""
-    _usable_or_skip("ucx")
-    logdir = tmp_path_factory.mktemp("vllm-tp")
-    extra = {"handshake_timeout": 60, "transfer_timeout": 180}
-    p, d = start(
-        [
-            Engine("prefill-tp1", "0", {"side_channel_port": free_port()}, logdir, model=MODEL),
-            Engine(
-                "decode-tp2",
-                "0|1",
-                {**extra, "side_channel_port": free_port()},
-                logdir,
-                model=MODEL,
-                opts={"tensor_parallel_size": 2},
-            ),
-        ]
-    )
-    yield p, d
-    p.close()
-    d.close()
-    print(f"engine logs: {logdir}")

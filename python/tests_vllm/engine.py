@@ -6,13 +6,11 @@ Commands: {"op": "generate", "requests": [{"prompt": [ids], "params": dict|null}
 kv_transfer_params, the finish reason, vLLM's id for it, and the monotonic clock when it was
 submitted and when its first token came; {"op": "external_tokens"} -> vLLM's count of prompt
 tokens loaded through the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero
-KV block, read from vLLM's own cache tensors in the worker; {"op": "kv_head_hashes"} -> per TP
-rank, per layer and non-zero block, sha256 of each KV head; {"op": "metrics", "prefix": P} ->
+KV block, read from vLLM's own cache tensors in the worker; {"op": "metrics", "prefix": P} ->
 vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"};
 {"op": "quit"}.
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
-`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8),
-`tensor_parallel_size` (1).
+`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8).
 """
 
 import json
@@ -32,24 +30,6 @@ def kv_hashes(worker: Any) -> dict[int, dict[int, str]]:
         blocks = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
         nonzero = blocks.any(dim=1).nonzero().flatten().tolist()
         out[layer] = {b: hashlib.sha256(blocks[b].numpy().tobytes()).hexdigest() for b in nonzero}
-    return out
-
-
-def kv_head_hashes(worker: Any) -> dict[int, dict[int, list[str]]]:
-    """Runs in each worker process (collective_rpc): per layer and non-zero block, sha256 of
-    each of this rank's KV heads, from vLLM's CPU cache `[blocks, heads, tokens, 2 * head]`."""
-    import hashlib
-
-    import torch
-
-    out: dict[int, dict[int, list[str]]] = {}
-    for layer, t in enumerate(worker.model_runner.kv_caches):
-        assert t.dim() == 4, f"layer {layer}: cache shape {tuple(t.shape)}"
-        heads = t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
-        nonzero = heads.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
-        out[layer] = {
-            b: [hashlib.sha256(h.numpy().tobytes()).hexdigest() for h in heads[b]] for b in nonzero
-        }
     return out
 
 
@@ -74,7 +54,6 @@ def main() -> None:
         block_size=32,
         enforce_eager=True,
         enable_prefix_caching=bool(opts.get("prefix_caching", False)),
-        tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
         disable_log_stats=False,
         kv_transfer_config=ktc,
     )
@@ -107,9 +86,6 @@ def main() -> None:
             continue
         if op == "kv_hashes":
             reply(llm.collective_rpc(kv_hashes)[0])
-            continue
-        if op == "kv_head_hashes":
-            reply(llm.collective_rpc(kv_head_hashes))  # one entry per TP rank
             continue
         if op == "reset_prefix_cache":
             reply(llm.reset_prefix_cache())
