@@ -15,6 +15,9 @@ Load it out of tree, on both engines::
 prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d`` listens on
 ``port + d * tp_size + r``), ``lease`` (seconds the prefill holds unread blocks, 30),
 ``transfer_timeout`` (30), ``handshake_timeout`` (5), ``enforce_compat`` (true),
+``idle_wait`` (0.005: seconds a step that scheduled no token waits for a load or a read to
+finish before it returns, so that an engine waiting only for transfers does not step
+back-to-back; a request arriving meanwhile waits as long; 0 turns it off, at most 1),
 ``ucx_library`` (``auto``: the UCX a NIXL wheel bundles when one is installed, else the
 system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`).
 ``kv_transfer_config.kv_load_failure_policy`` (``fail`` or ``recompute``) decides what vLLM
@@ -68,9 +71,11 @@ _HANDED_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOP
 
 @dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
-    """One scheduler step for the workers: `kvxfer.PullScheduler.build_step_meta()`."""
+    """One scheduler step for the workers: `kvxfer.PullScheduler.build_step_meta()`, and
+    whether the step scheduled no token (the workers then only poll the connector)."""
 
     step_json: str
+    idle: bool = False
 
 
 def _layer_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -152,6 +157,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._host = str(extra.get("side_channel_host", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port", 5600))
         self._extra = extra
+        self._idle_wait = float(extra.get("idle_wait", 0.005))
+        if not 0.0 <= self._idle_wait <= 1.0:  # NaN too
+            raise ValueError(f"kvxfer: idle_wait {self._idle_wait}: expected 0 to 1 seconds")
         self._failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         sched = vllm_config.scheduler_config
         self._hma = not getattr(sched, "disable_hybrid_kv_cache_manager", False)
@@ -206,7 +214,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         params.update(json.loads(updated))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvxferConnectorMetadata(step_json=self._sched().build_step_meta())
+        return KvxferConnectorMetadata(
+            step_json=self._sched().build_step_meta(),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -309,7 +320,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        sending, recving, failed = self._worker.get_finished()
+        # A step that scheduled nothing exists only to poll us: waiting a little for a
+        # completion instead of returning at once keeps vLLM from stepping back-to-back,
+        # which on a CPU engine takes the cores the transfers run on.
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KvxferConnectorMetadata) and meta.idle
+        sending, recving, failed = self._worker.get_finished(self._idle_wait if idle else 0.0)
         for req_id, blocks, reason, _policy in failed:
             log.warning("kvxfer: load of %s failed: %s", req_id, reason)
             if not self._hma:

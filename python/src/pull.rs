@@ -37,6 +37,21 @@ fn seconds(what: &str, s: f64) -> PyResult<Duration> {
         })
 }
 
+/// Like [`seconds`], zero allowed.
+fn seconds_or_zero(what: &str, s: f64) -> PyResult<Duration> {
+    if s == 0.0 {
+        return Ok(Duration::ZERO);
+    }
+    seconds(what, s).map_err(|_| {
+        InvalidArgumentError::new_err(format!(
+            "{what} must be zero or a positive number of seconds"
+        ))
+    })
+}
+
+/// Longest `get_finished` wait: the engine's step waits on it.
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
 /// The scheduler half: which requests load from a remote prefill, which the prefill holds.
 #[pyclass(module = "kvxfer._kvxfer")]
 pub struct PullScheduler {
@@ -279,16 +294,27 @@ impl PullWorker {
 
     /// `(sending, recving, failed)` since the last call; `failed` holds
     /// `(req_id, invalid_blocks, reason, policy)`. Failed loads are also in `recving`.
+    /// With `wait` (seconds, at most 1), waits up to that long for something to finish
+    /// while loads or holds are outstanding (for an engine step that scheduled nothing).
+    #[pyo3(signature = (wait = 0.0))]
     #[allow(clippy::type_complexity)]
     fn get_finished(
         &self,
         py: Python<'_>,
+        wait: f64,
     ) -> PyResult<(
         Vec<String>,
         Vec<String>,
         Vec<(String, Vec<u32>, String, &'static str)>,
     )> {
-        let f = self.with(py, |w| Ok(w.get_finished()))?;
+        let wait = seconds_or_zero("wait", wait)?;
+        if wait > MAX_WAIT {
+            return Err(InvalidArgumentError::new_err(format!(
+                "wait must be at most {} s",
+                MAX_WAIT.as_secs()
+            )));
+        }
+        let f = self.with(py, |w| Ok(w.wait_finished(wait)))?;
         let failed = f
             .failed
             .into_iter()

@@ -179,6 +179,33 @@ def test_failure_policy_reaches_the_report() -> None:
     d.shutdown()
 
 
+def test_an_idle_wait_returns_with_the_load_and_bad_waits_raise() -> None:
+    src, dst = cache("split-kv", 50), cache("split-kv", None)
+    p, p_engine = worker("P", "loopback", "split-kv", src)
+    d, _ = worker("D", "loopback", "split-kv", dst)
+    for bad in (-0.1, float("nan"), float("inf"), 1.5):
+        with pytest.raises(kvxfer.InvalidArgumentError):
+            d.get_finished(wait=bad)
+    t = time.monotonic()
+    assert d.get_finished(wait=1.0) == ([], [], []), "nothing outstanding"
+    assert time.monotonic() - t < 0.9, "waited with nothing outstanding"
+    _, params = hand_off(p, p_engine, [5])
+    dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
+    dsched.after_alloc("r1", params, [6], 4)
+    assert d.start_load_kv(dsched.build_step_meta()) == []
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while not seen and time.monotonic() < deadline:
+        seen = d.get_finished(wait=1.0)[1]
+    assert seen == ["r1"]
+    freed: list[str] = []
+    while not freed and time.monotonic() < deadline:
+        freed = p.get_finished(wait=1.0)[0]
+    assert freed == ["r1"], "the prefill's wait ends with the decode's note"
+    d.shutdown()
+    p.shutdown()
+
+
 def test_bad_worker_arguments_raise() -> None:
     good = cache("split-kv", None)
     with pytest.raises(kvxfer.LayoutError):

@@ -307,3 +307,77 @@ fn stuck_transfer_times_out_and_fails_the_load() {
     );
     faults.release_held();
 }
+
+/// `wait_finished` returns with the first load that ends, well before its bound; at once
+/// with nothing outstanding; and empty-handed after its bound when nothing ends.
+#[test]
+fn an_idle_wait_ends_with_the_first_finished_load() {
+    use std::time::{Duration, Instant};
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("idle-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let mut dec = engine("idle-D", &model, 1, false, c, &lb, &no_tune);
+    let t = Instant::now();
+    assert!(
+        dec.workers[0]
+            .wait_finished(Duration::from_secs(60))
+            .is_empty()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "waited with nothing outstanding"
+    );
+
+    // Queued behind its handshake, the load is outstanding too.
+    let params = pre.finish_prefill("q", &[3]);
+    dec.start_load("q", &params, &[4], 4);
+    let f = dec.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.recving, vec!["q".to_string()], "{f:?}");
+    let f = pre.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.sending, vec!["q".to_string()], "{f:?}");
+
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    let params = pre.finish_prefill("r", &[1]);
+    dec.start_load("r", &params, &[2], 4);
+    // Outstanding and held: the wait runs out empty-handed.
+    assert!(
+        dec.workers[0]
+            .wait_finished(Duration::from_millis(20))
+            .is_empty()
+    );
+    let start = Instant::now();
+    while dec.workers[0].transport().open_transfers() == 0 {
+        assert!(dec.poll()[0].is_empty());
+        assert!(start.elapsed().as_secs() < 60, "the READ was never posted");
+        std::thread::yield_now();
+    }
+    // A load that ends while another is in flight is returned at once.
+    faults.hold_completions(false);
+    let params = pre.finish_prefill("a", &[5]);
+    dec.start_load("a", &params, &[6], 4);
+    let f = dec.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.recving, vec!["a".to_string()], "{f:?}");
+    let f = pre.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.sending, vec!["a".to_string()], "{f:?}");
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        faults.release_held();
+    });
+    let t = Instant::now();
+    let f = dec.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.recving, vec!["r".to_string()], "{f:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "the wait ignored the completion"
+    );
+    release.join().expect("release");
+    dec.caches[0]
+        .verify(&[(3, 4), (1, 2), (5, 6)])
+        .expect("bytes");
+
+    // The prefill's hold is outstanding until the decode's note arrives: the wait ends
+    // with it.
+    let f = pre.workers[0].wait_finished(Duration::from_secs(60));
+    assert_eq!(f.sending, vec!["r".to_string()], "{f:?}");
+}

@@ -17,4 +17,4 @@ pub use aggregate::{FinishedAggregator, LocalAggregator};
 pub use config::{FailurePolicy, KvCache, PullConfig};
 pub use metrics::{BackendTelemetry, PullMetrics};
 pub use scheduler::{FinishDecision, PullScheduler, RecvRequest, StepMeta};
-pub use worker::{FailedLoad, Finished, LoadRefused, PullError, PullWorker};
+pub use worker::{FailedLoad, Finished, IDLE_POLL, LoadRefused, PullError, PullWorker};

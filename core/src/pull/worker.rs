@@ -80,6 +80,16 @@ pub struct Finished {
     pub failed: Vec<FailedLoad>,
 }
 
+impl Finished {
+    /// Nothing finished.
+    pub fn is_empty(&self) -> bool {
+        self.sending.is_empty() && self.recving.is_empty() && self.failed.is_empty()
+    }
+}
+
+/// How often [`PullWorker::wait_finished`] polls while it waits.
+pub const IDLE_POLL: Duration = Duration::from_micros(500);
+
 struct RemoteRank {
     peer: PeerId,
     spec: CacheSpec,
@@ -242,8 +252,7 @@ impl<T: Transport> PullWorker<T> {
         std::mem::take(&mut self.metrics)
     }
 
-    /// Starts the step's loads and holds. Never blocks: handshakes run on their own threads.
-    /// Starts this step's loads and holds; returns the loads it refused (each counted in
+    /// Starts this step's loads and holds (never blocks: handshakes run on their own threads); returns the loads it refused (each counted in
     /// [`PullMetrics::refused_loads`]), which the engine should log: the step's other loads
     /// are started regardless.
     pub fn start_load_kv(&mut self, meta: &StepMeta) -> Vec<LoadRefused> {
@@ -311,6 +320,31 @@ impl<T: Transport> PullWorker<T> {
             self.release_orphans();
         }
         std::mem::take(&mut self.finished)
+    }
+
+    /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
+    /// while nothing finished and loads or holds are outstanding. For an engine step that
+    /// scheduled nothing: the engine has no work but polling this worker, and stepping
+    /// back-to-back would take the CPU the transfers need (on a CPU engine, most of it).
+    pub fn wait_finished(&mut self, wait: Duration) -> Finished {
+        let rounds = wait.as_nanos().div_ceil(IDLE_POLL.as_nanos());
+        let mut f = self.get_finished();
+        for _ in 0..rounds {
+            if !f.is_empty() || !self.outstanding() {
+                break;
+            }
+            std::thread::sleep(IDLE_POLL);
+            f = self.get_finished();
+        }
+        f
+    }
+
+    /// Loads or holds this worker still waits for.
+    fn outstanding(&self) -> bool {
+        !self.shut_down
+            && (!self.loads.is_empty()
+                || self.queued.values().any(|q| !q.is_empty())
+                || !self.held.is_empty())
     }
 
     fn spawn_handshake(&mut self, req: &RecvRequest) {
