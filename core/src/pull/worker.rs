@@ -252,7 +252,8 @@ impl<T: Transport> PullWorker<T> {
         std::mem::take(&mut self.metrics)
     }
 
-    /// Starts this step's loads and holds (never blocks: handshakes run on their own threads); returns the loads it refused (each counted in
+    /// Starts this step's loads and holds (never blocks: handshakes run on their own
+    /// threads); returns the loads it refused (each counted in
     /// [`PullMetrics::refused_loads`]), which the engine should log: the step's other loads
     /// are started regardless.
     pub fn start_load_kv(&mut self, meta: &StepMeta) -> Vec<LoadRefused> {
