@@ -120,3 +120,32 @@ fn vanished_peer_fails_transfers_and_cannot_be_loaded() {
     ));
     assert!(p.a.send_notification(p.b_in_a, b"x").is_err());
 }
+
+/// Releasing a transfer that is still copying cancels it and returns only when no copy runs
+/// any more: a connector reports the destination invalid right after the release, and the
+/// engine may reuse it at once, so nothing may land there afterwards.
+#[test]
+fn nothing_lands_after_a_release() {
+    const PIECE: u64 = 16 << 10;
+    let mut src = Buffer::new(64 << 20, Some(3));
+    let mut dst = Buffer::new(64 << 20, None);
+    let mut p = connect(&Loopback, &mut [&mut src], &mut [&mut dst]);
+    // Many small jobs, so that most are still queued when the release comes.
+    let pieces = (64 << 20) / PIECE;
+    let local: Vec<_> = (0..pieces)
+        .map(|i| kvxfer_core::AddrRange::new(src.addr(i * PIECE), PIECE))
+        .collect();
+    let remote: Vec<_> = (0..pieces)
+        .map(|i| kvxfer_core::AddrRange::new(dst.addr(i * PIECE), PIECE))
+        .collect();
+    for round in 0..5 {
+        let x =
+            p.a.post(Op::Write, p.b_in_a, H, &local, &remote, None)
+                .expect("post");
+        p.a.release(x).expect("release");
+        dst.bytes_mut().fill(0x5a);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let landed = dst.bytes().iter().filter(|&&b| b != 0x5a).count();
+        assert_eq!(landed, 0, "round {round}: {landed} bytes landed after the release");
+    }
+}

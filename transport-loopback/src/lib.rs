@@ -30,6 +30,9 @@ pub use metadata::{AgentMetadata, MAX_NAME_LEN, MAX_REGIONS};
 use pool::{CopyPool, Job};
 use xfer::{CopyPair, PendingNotification, XferState};
 
+/// How long `release` waits for the copies of a transfer it cancels.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Settings of a loopback agent.
 #[derive(Debug, Clone)]
 pub struct LoopbackConfig {
@@ -581,11 +584,17 @@ impl Transport for LoopbackTransport {
     }
 
     fn release(&mut self, xfer: XferId) -> TransportResult<()> {
-        // Copies still running keep their regions pinned, so forgetting the id is safe.
-        self.xfers
+        let x = self
+            .xfers
             .remove(&xfer)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownTransfer(xfer))
+            .ok_or(TransportError::UnknownTransfer(xfer))?;
+        // A transfer still copying is cancelled and waited for: the caller may report its
+        // destination invalid and reuse it, so no copy may land afterwards. Copies past the
+        // bound keep their regions pinned, so forgetting the id stays memory-safe.
+        if !x.cancel(RELEASE_WAIT) {
+            tracing::error!(%xfer, "copies still running {RELEASE_WAIT:?} after release");
+        }
+        Ok(())
     }
 
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
@@ -607,6 +616,12 @@ impl Transport for LoopbackTransport {
 
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
         Ok(self.shared.drain(out))
+    }
+
+    fn peer_failed(&self, peer: PeerId) -> bool {
+        self.peers
+            .get(&peer)
+            .is_some_and(|p| !p.agent.upgrade().is_some_and(|a| a.is_alive()))
     }
 }
 

@@ -141,6 +141,23 @@ impl XferState {
         self.state.store(DONE, Ordering::SeqCst);
     }
 
+    /// Cancels a transfer being released: jobs not started yet skip their copies, and this
+    /// returns once no job copies any more, so nothing lands after the release; false if
+    /// copies still ran after `bound`.
+    pub fn cancel(&self, bound: std::time::Duration) -> bool {
+        if self.state.load(Ordering::SeqCst) == IN_PROGRESS {
+            self.fail("released while in progress");
+        }
+        let start = std::time::Instant::now();
+        while self.remaining.load(Ordering::Acquire) > 0 {
+            if start.elapsed() > bound {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        true
+    }
+
     pub fn status(&self) -> XferStatus {
         match self.state.load(Ordering::SeqCst) {
             DONE => XferStatus::Done,
