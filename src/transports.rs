@@ -253,6 +253,10 @@ impl Transport for AnyTransport {
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
         dispatch!(self, t => t.drain_notifications(out))
     }
+
+    fn peer_failed(&self, peer: PeerId) -> bool {
+        dispatch!(self, t => t.peer_failed(peer))
+    }
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ fn meta() -> HandshakeMeta {
         kvxfer_tp_rank: Some(0),
         kvxfer_layout: None,
         kvxfer_lease_ms: None,
+        kvxfer_instance: None,
     }
 }
 

@@ -21,6 +21,7 @@ fn meta(engine: &str, rank: u32) -> HandshakeMeta {
         kvxfer_tp_rank: Some(rank),
         kvxfer_layout: None,
         kvxfer_lease_ms: Some(30_000),
+        kvxfer_instance: Some(3),
     }
 }
 

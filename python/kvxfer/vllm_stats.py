@@ -34,6 +34,8 @@ COUNTERS: dict[str, str] = {
     "failed_notifications": "Notifications to the prefill that could not be sent",
     "expired_leases": "Prefill requests freed because no decode read them in time",
     "refused_loads": "Loads refused because one of the same request was in flight",
+    "lost_connections": "Prefill connections dropped after a failure (the next load reconnects)",
+    "peer_restarts": "Handshakes that found a prefill restarted under the same engine id",
 }
 
 
@@ -77,6 +79,8 @@ class KvxferStats(KVConnectorStats):
             "failed_notifications": d.get("failed_notifications", 0),
             "expired_leases": d.get("expired_leases", 0),
             "refused_loads": d.get("refused_loads", 0),
+            "lost_connections": d.get("lost_connections", 0),
+            "peer_restarts": d.get("peer_restarts", 0),
         }
 
 

@@ -370,6 +370,8 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("failed_notifications", m.failed_notifications)?;
     d.set_item("expired_leases", m.expired_leases)?;
     d.set_item("refused_loads", m.refused_loads)?;
+    d.set_item("lost_connections", m.lost_connections)?;
+    d.set_item("peer_restarts", m.peer_restarts)?;
     d.set_item("handshake_time", m.handshake_time.as_secs_f64())?;
     d.set_item("handshakes", m.handshakes)?;
     Ok(d)

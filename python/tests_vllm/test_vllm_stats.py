@@ -40,6 +40,8 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "failed_notifications": 0,
         "expired_leases": 0,
         "refused_loads": 0,
+        "lost_connections": 0,
+        "peer_restarts": 0,
     }
     assert KvxferConnector.build_kv_connector_stats(None).is_empty()
     assert KvxferStats().reduce()["avg_xfer_ms"] == 0.0

@@ -278,17 +278,58 @@ pub fn engine<T: Transport>(
     make: &dyn Fn(&str) -> T,
     tune: &dyn Fn(&mut PullConfig),
 ) -> Engine<T> {
-    let mapping = TpMapping::new(tp, tp, model.sharding()).expect("tp valid for model");
     let mut seed = name
         .bytes()
         .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-    for _attempt in 0..50 {
+    let bases = (0..50).map(|_| {
         seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        let base = if prefill {
+        if prefill {
             20_000 + (seed % 30_000) as u16
         } else {
             0
-        };
+        }
+    });
+    build(name, model, tp, prefill, bases, clock, make, tune)
+        .unwrap_or_else(|| panic!("no free port range for {name}"))
+}
+
+/// A prefill engine like [`engine`]'s whose listeners bind exactly `base_port + rank`
+/// (a restart at the address of one that ended); `None` when those ports are taken.
+pub fn prefill_at<T: Transport>(
+    name: &str,
+    model: &Model,
+    tp: u32,
+    base_port: u16,
+    clock: Arc<dyn Clock>,
+    make: &dyn Fn(&str) -> T,
+    tune: &dyn Fn(&mut PullConfig),
+) -> Option<Engine<T>> {
+    build(
+        name,
+        model,
+        tp,
+        true,
+        std::iter::once(base_port),
+        clock,
+        make,
+        tune,
+    )
+}
+
+/// Builds an engine on the first base port of `bases` whose listeners bind.
+#[allow(clippy::too_many_arguments)]
+fn build<T: Transport>(
+    name: &str,
+    model: &Model,
+    tp: u32,
+    prefill: bool,
+    bases: impl Iterator<Item = u16>,
+    clock: Arc<dyn Clock>,
+    make: &dyn Fn(&str) -> T,
+    tune: &dyn Fn(&mut PullConfig),
+) -> Option<Engine<T>> {
+    let mapping = TpMapping::new(tp, tp, model.sharding()).expect("tp valid for model");
+    for base in bases {
         let caches: Vec<RankCache> = (0..tp)
             .map(|r| {
                 let heads = mapping.heads_of(Side::Prefill, r).expect("rank");
@@ -322,15 +363,15 @@ pub fn engine<T: Transport>(
             }
         }
         if ok {
-            return Engine {
+            return Some(Engine {
                 caches,
                 workers,
                 scheduler: PullScheduler::new(name, "127.0.0.1", base),
                 base_port: base,
-            };
+            });
         }
     }
-    panic!("no free port range for {name}");
+    None
 }
 
 impl<T: Transport> Engine<T> {

@@ -29,6 +29,7 @@ fn handshake() -> HandshakeMeta {
         kvxfer_tp_rank: Some(1),
         kvxfer_layout: None,
         kvxfer_lease_ms: Some(30_000),
+        kvxfer_instance: Some(1),
     }
 }
 

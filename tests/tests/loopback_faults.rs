@@ -146,6 +146,9 @@ fn nothing_lands_after_a_release() {
         dst.bytes_mut().fill(0x5a);
         std::thread::sleep(std::time::Duration::from_millis(20));
         let landed = dst.bytes().iter().filter(|&&b| b != 0x5a).count();
-        assert_eq!(landed, 0, "round {round}: {landed} bytes landed after the release");
+        assert_eq!(
+            landed, 0,
+            "round {round}: {landed} bytes landed after the release"
+        );
     }
 }

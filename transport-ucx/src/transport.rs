@@ -665,6 +665,15 @@ impl Transport for UcxTransport {
         Ok(())
     }
 
+    fn peer_failed(&self, peer: PeerId) -> bool {
+        // The endpoint's error callback records the failure (keep-alive, a broken
+        // connection); on transports without peer-failure handling it never fires.
+        self.lock()
+            .peers
+            .get(&peer)
+            .is_some_and(|p| p.health.error.is_some())
+    }
+
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
         self.shared.owner_polls();
         let mut st = self.lock();

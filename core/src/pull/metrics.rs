@@ -33,6 +33,11 @@ pub struct PullMetrics {
     pub expired_leases: u64,
     /// Loads refused because one of the same request id was already in flight.
     pub refused_loads: u64,
+    /// Cached connections to a prefill engine dropped after a failed transfer or a peer
+    /// the transport saw fail (the next load for that engine handshakes again).
+    pub lost_connections: u64,
+    /// Handshakes that found a new instance under a known engine id and rank: a restart.
+    pub peer_restarts: u64,
     /// Handshake durations observed, summed, and their count.
     pub handshake_time: Duration,
     /// Handshakes completed.
@@ -94,6 +99,8 @@ impl PullMetrics {
         self.failed_notifications += o.failed_notifications;
         self.expired_leases += o.expired_leases;
         self.refused_loads += o.refused_loads;
+        self.lost_connections += o.lost_connections;
+        self.peer_restarts += o.peer_restarts;
         self.handshake_time += o.handshake_time;
         self.handshakes += o.handshakes;
         self.backend.merge(&o.backend);

@@ -99,6 +99,8 @@ struct RemoteRank {
     lease_aware: bool,
     /// Per-block prepared lists, where the transport prefers indexed posts.
     lists: Option<BlockLists>,
+    /// The worker instance the handshake named (kvxfer peers).
+    instance: Option<u64>,
 }
 
 enum Engine {
@@ -136,6 +138,8 @@ pub struct PullWorker<T: Transport> {
     registrations: Vec<Registration>,
     listener: Option<Listener>,
     engines: HashMap<String, Engine>,
+    /// The last instance each (engine, rank) named in a handshake.
+    instances: HashMap<(String, u32), u64>,
     queued: HashMap<String, Vec<RecvRequest>>,
     loads: HashMap<String, Load>,
     orphans: Vec<XferId>,
@@ -181,6 +185,7 @@ impl<T: Transport> PullWorker<T> {
             kvxfer_tp_rank: Some(config.tp_rank),
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
+            kvxfer_instance: Some(rand::random()),
         };
         let port = if config.side_channel_port == 0 {
             0
@@ -209,6 +214,7 @@ impl<T: Transport> PullWorker<T> {
             registrations,
             listener: Some(listener),
             engines: HashMap::new(),
+            instances: HashMap::new(),
             queued: HashMap::new(),
             loads: HashMap::new(),
             orphans: Vec::new(),
@@ -280,6 +286,7 @@ impl<T: Transport> PullWorker<T> {
                 refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
                 continue;
             }
+            self.drop_if_peer_failed(&req.engine_id);
             match self.engines.get(&req.engine_id) {
                 Some(Engine::Ready { .. }) => self.issue(req.clone()),
                 Some(Engine::Handshaking) => self
@@ -315,6 +322,7 @@ impl<T: Transport> PullWorker<T> {
                 self.on_handshake(outcome);
             }
             self.poll_loads();
+            self.check_loading_peers();
             self.poll_notifications();
             self.expire_leases();
             self.send_heartbeats();
@@ -392,6 +400,8 @@ impl<T: Transport> PullWorker<T> {
             Ok((mapping, ranks)) => {
                 self.metrics.handshakes += 1;
                 self.metrics.handshake_time += self.clock.now().saturating_sub(outcome.started);
+                tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), "connected to prefill engine");
+                self.note_instances(&outcome.engine_id, &ranks);
                 self.engines
                     .insert(outcome.engine_id.clone(), Engine::Ready { mapping, ranks });
                 for req in queued {
@@ -525,6 +535,7 @@ impl<T: Transport> PullWorker<T> {
             first_layer,
             lease_aware: meta.kvxfer_lease_ms.is_some(),
             lists: None,
+            instance: meta.kvxfer_instance,
         };
         remote.lists = self.block_lists(mapping, rank, &remote);
         Ok(remote)
@@ -603,7 +614,9 @@ impl<T: Transport> PullWorker<T> {
             Err((reason, posted)) => {
                 self.metrics.failed_setups += 1;
                 self.orphans.extend(posted);
+                let engine_id = req.engine_id.clone();
                 self.fail(req, reason);
+                self.drop_if_peer_failed(&engine_id);
             }
         }
     }
@@ -611,7 +624,7 @@ impl<T: Transport> PullWorker<T> {
     /// Posts one READ per data link (and notifications for the rest); on error returns
     /// the reason and the transfers already posted (to be released once they end).
     fn post_reads(&mut self, req: &RecvRequest) -> Result<Vec<XferId>, (String, Vec<XferId>)> {
-        let Some(Engine::Ready { mapping, ranks }) = self.engines.get(&req.engine_id) else {
+        let Some(Engine::Ready { mapping, ranks, .. }) = self.engines.get(&req.engine_id) else {
             return Err((
                 format!("engine {} is not connected", req.engine_id),
                 Vec::new(),
@@ -743,7 +756,9 @@ impl<T: Transport> PullWorker<T> {
     fn poll_loads(&mut self) {
         let now = self.clock.now();
         let mut ended = Vec::new();
+        let mut lost: Vec<(String, String)> = Vec::new();
         for (id, load) in &mut self.loads {
+            let had_failed = load.failed.is_some();
             let mut still = Vec::with_capacity(load.xfers.len());
             for &(x, posted) in &load.xfers {
                 match self.transport.status(x) {
@@ -779,6 +794,9 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
             load.xfers = still;
+            if let (false, Some(reason)) = (had_failed, &load.failed) {
+                lost.push((load.req.engine_id.clone(), reason.clone()));
+            }
             // Report only when nothing writes into the blocks any more.
             if load.xfers.is_empty() {
                 ended.push(id.clone());
@@ -789,6 +807,96 @@ impl<T: Transport> PullWorker<T> {
                 match load.failed {
                     None => self.finished.recving.push(id),
                     Some(reason) => self.fail(load.req, format!("transfer failed: {reason}")),
+                }
+            }
+        }
+        // A failed transfer means the prefill died, restarted or became unreachable: its
+        // cached connection is not trusted again.
+        for (engine_id, reason) in lost {
+            self.lose_engine(&engine_id, &reason);
+        }
+    }
+
+    /// Drops the cached connections whose peers the transport knows failed, for engines
+    /// this worker is loading from (their loads then fail now instead of at a timeout).
+    fn check_loading_peers(&mut self) {
+        let mut engines: Vec<String> = self
+            .loads
+            .values()
+            .map(|l| l.req.engine_id.clone())
+            .collect();
+        engines.sort_unstable();
+        engines.dedup();
+        for e in engines {
+            self.drop_if_peer_failed(&e);
+        }
+    }
+
+    /// Drops the cached connection to `engine_id` when the transport knows one of its ranks
+    /// failed (a dead or restarted prefill): the next load handshakes again instead of
+    /// posting to the old instance.
+    fn drop_if_peer_failed(&mut self, engine_id: &str) {
+        let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
+            return;
+        };
+        let failed = ranks
+            .iter()
+            .find(|(_, r)| self.transport.peer_failed(r.peer))
+            .map(|(rank, _)| *rank);
+        if let Some(rank) = failed {
+            self.lose_engine(engine_id, &format!("prefill rank {rank} is unreachable"));
+        }
+    }
+
+    /// Forgets the connection to `engine_id` after a failure: its loads still in flight
+    /// (all posted on this connection: a new one is made only after the old one is lost)
+    /// are cancelled and reported failed with their blocks, its peers and lists released,
+    /// and the next load handshakes again. Nothing happens unless it is connected.
+    fn lose_engine(&mut self, engine_id: &str, reason: &str) {
+        if !matches!(self.engines.get(engine_id), Some(Engine::Ready { .. })) {
+            return;
+        }
+        let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
+            return;
+        };
+        self.metrics.lost_connections += 1;
+        tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
+        let doomed: Vec<String> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.req.engine_id == engine_id)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in doomed {
+            if let Some(load) = self.loads.remove(&id) {
+                // Cancel before reporting: nothing may land in the blocks after the engine
+                // hears they are invalid. Release is bounded by the transport.
+                for (x, _) in load.xfers {
+                    let _ = self.transport.release(x);
+                }
+                let why = load
+                    .failed
+                    .unwrap_or_else(|| format!("connection to {engine_id} lost: {reason}"));
+                self.fail(load.req, format!("transfer failed: {why}"));
+            }
+        }
+        for r in ranks.into_values() {
+            self.forget_rank(&r);
+        }
+    }
+
+    /// Records the instance each rank named; a new one under a known (engine, rank) is a
+    /// restart, counted and logged.
+    fn note_instances(&mut self, engine_id: &str, ranks: &HashMap<u32, RemoteRank>) {
+        for (&rank, r) in ranks {
+            let Some(instance) = r.instance else {
+                continue;
+            };
+            let key = (engine_id.to_string(), rank);
+            if let Some(old) = self.instances.insert(key, instance) {
+                if old != instance {
+                    self.metrics.peer_restarts += 1;
+                    tracing::info!(engine = %engine_id, rank, "prefill engine restarted (new instance): connected to the new one");
                 }
             }
         }

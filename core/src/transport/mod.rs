@@ -100,6 +100,14 @@ pub trait Transport: Send {
     /// Sends a notification without data.
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()>;
 
+    /// Whether the transport knows `peer` to be unreachable: its process ended or its
+    /// connection failed (a restarted peer's old instance looks like this). `false` where
+    /// the transport cannot tell, and for unknown peers. Connectors ask before posting to a
+    /// peer they cached, so that a restart costs a new handshake instead of a failed request.
+    fn peer_failed(&self, _peer: PeerId) -> bool {
+        false
+    }
+
     /// Whether `post_indexed` builds requests markedly faster than `post` of the same
     /// descriptors (the library prepared the lists: NIXL), so connectors should prepare
     /// per-block lists up front. False by default.

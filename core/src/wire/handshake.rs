@@ -55,6 +55,10 @@ pub struct HandshakeMeta {
     /// How long the prefill holds unread blocks without a heartbeat, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_lease_ms: Option<u64>,
+    /// A random id drawn when the worker started: a new value under a known engine id and
+    /// rank is a restarted engine, whose blocks and registrations are not the old ones'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_instance: Option<u64>,
 }
 
 /// A cache spec on the wire, with the model-wide facts a compatibility check needs.
@@ -236,6 +240,7 @@ mod tests {
             kvxfer_tp_rank: Some(0),
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(30_000),
+            kvxfer_instance: Some(7),
         }
     }
 
