@@ -153,6 +153,10 @@ enum Command {
         /// transport that prefers per-block prepared lists (NIXL), to compare the two.
         #[arg(long)]
         raw_posts: bool,
+        /// Pull: count a failed request and go on (for a prefill that restarts during the
+        /// run); without it the first failure ends the run. Successes are still verified.
+        #[arg(long)]
+        keep_going: bool,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and serves them until Ctrl-C (or `--duration`): answers reads in pull mode,
@@ -332,6 +336,7 @@ fn main() -> ExitCode {
                 connect: None,
                 transfer_timeout: std::time::Duration::from_secs(30),
                 raw_posts: false,
+                keep_going: false,
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = std::sync::Arc::clone(&stop);
@@ -377,6 +382,7 @@ fn main() -> ExitCode {
             connect,
             transfer_timeout,
             raw_posts,
+            keep_going,
         } => {
             let config = BenchConfig {
                 model,
@@ -398,6 +404,7 @@ fn main() -> ExitCode {
                 connect,
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
                 raw_posts,
+                keep_going,
             };
             match sweep {
                 None => bench(&config, json),

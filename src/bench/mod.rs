@@ -79,6 +79,9 @@ pub struct BenchConfig {
     pub transfer_timeout: Duration,
     /// Pull: never post by index into prepared lists (see `PullConfig::prepared_lists`).
     pub raw_posts: bool,
+    /// Pull: a failed request is counted and the run goes on (a prefill that restarts
+    /// under the run); without it the first failure ends the run.
+    pub keep_going: bool,
 }
 
 /// Why a bench could not run or failed.
@@ -359,15 +362,26 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         }
         let mut done: Vec<Vec<bool>> = vec![vec![false; c.decode_tp as usize]; jobs.len()];
         let mut finished_at = vec![None; jobs.len()];
+        let mut failed_jobs = vec![false; jobs.len()];
         while finished_at.iter().any(Option::is_none) {
             for (r, w) in dec.workers.iter_mut().enumerate() {
                 let f = w.get_finished();
-                if let Some(failed) = f.failed.first() {
-                    return Err(BenchError::Failed {
-                        req: failed.req_id.clone(),
-                        reason: failed.reason.clone(),
-                    });
+                for failed in &f.failed {
+                    if !c.keep_going {
+                        return Err(BenchError::Failed {
+                            req: failed.req_id.clone(),
+                            reason: failed.reason.clone(),
+                        });
+                    }
+                    eprintln!(
+                        "request {} failed on decode rank {r} (going on): {}",
+                        failed.req_id, failed.reason
+                    );
+                    if let Some(j) = jobs.iter().position(|(jid, _, _)| *jid == failed.req_id) {
+                        failed_jobs[j] = true;
+                    }
                 }
+                // Failed loads are in `recving` too: the request ended on this rank.
                 for id in f.recving {
                     if let Some(j) = jobs.iter().position(|(jid, _, _)| *jid == id) {
                         done[j][r] = true;
@@ -397,8 +411,11 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         for w in &mut dec.workers {
             wave_metrics.merge(&w.take_metrics());
         }
-        // Verify every byte of every request on every decode rank.
-        for (id, remote, local) in &jobs {
+        report.lost_connections += wave_metrics.lost_connections;
+        report.peer_restarts += wave_metrics.peer_restarts;
+        report.failed_requests += failed_jobs.iter().filter(|&&f| f).count() as u32;
+        // Verify every byte of every request that succeeded, on every decode rank.
+        for ((id, remote, local), _) in jobs.iter().zip(&failed_jobs).filter(|(_, f)| !**f) {
             let pairs: Vec<(u32, u32)> =
                 remote.iter().copied().zip(local.iter().copied()).collect();
             for (r, rank) in dec.ranks.iter().enumerate() {
@@ -417,10 +434,11 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             }
         } else {
             measured += wave_time;
-            latencies.extend(finished_at.iter().flatten().copied());
+            let ok = finished_at.iter().zip(&failed_jobs).filter(|(_, f)| !**f);
+            latencies.extend(ok.filter_map(|(t, _)| *t));
             moved += wave_metrics.bytes;
             metrics.merge(&wave_metrics);
-            report.requests += jobs.len() as u32;
+            report.requests += failed_jobs.iter().filter(|&&f| !f).count() as u32;
         }
         progress(next, total);
     }

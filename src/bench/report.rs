@@ -61,6 +61,12 @@ pub struct BenchReport {
     pub library_post_ms_per_request: f64,
     /// Per transfer: post to completion, as the library measured it.
     pub library_transfer_ms_mean: f64,
+    /// Requests that failed (`--keep-going`; warm-up included), not in `requests`.
+    pub failed_requests: u32,
+    /// Connections to the prefill dropped after a failure (warm-up included).
+    pub lost_connections: u64,
+    /// Handshakes that found the prefill restarted (warm-up included).
+    pub peer_restarts: u64,
 }
 
 impl BenchReport {
@@ -161,6 +167,15 @@ impl BenchReport {
                     ),
                 ),
             );
+        }
+        if self.failed_requests > 0 || self.lost_connections > 0 || self.peer_restarts > 0 {
+            rows.push((
+                "failed / reconnected",
+                format!(
+                    "{} requests failed; {} connections lost, {} prefill restarts found",
+                    self.failed_requests, self.lost_connections, self.peer_restarts
+                ),
+            ));
         }
         let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         for (k, v) in rows {
