@@ -3,7 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer_core::sidechannel::{FetchError, Listener, fetch_metadata};
+use kvxfer_core::sidechannel::{
+    FetchError, Listener, MAX_READER_NAME, MetaRequest, fetch_metadata, fetch_metadata_for,
+    parse_request,
+};
 use kvxfer_core::wire::handshake::{GET_META_MSG, HandshakeMeta, MAX_HANDSHAKE_BYTES};
 
 const T: Duration = Duration::from_secs(5);
@@ -53,6 +56,56 @@ fn handshake_hands_over_exact_metadata() {
         l.stats().served.load(std::sync::atomic::Ordering::Relaxed),
         3
     );
+}
+
+/// A request naming its reader makes it one of the listener's readers once served; one
+/// that is refused (unknown rank) does not.
+#[test]
+fn readers_named_in_served_requests_are_known() {
+    let l = Listener::bind("127.0.0.1", 0, 0, meta("prefill", 0).encode()).expect("bind");
+    let fetch = |rank, name| fetch_metadata_for("127.0.0.1", l.port(), rank, name, T, 1 << 20);
+    assert_eq!(fetch(0, "decode-0").unwrap(), meta("prefill", 0));
+    assert!(fetch(7, "decode-7").is_err());
+    let readers = l.readers();
+    assert!(readers.contains("decode-0"));
+    assert!(
+        !readers.contains("decode-7"),
+        "a refused request named a reader"
+    );
+    assert_eq!(readers.len(), 1);
+}
+
+#[test]
+fn requests_parse_with_and_without_a_reader() {
+    let named = |rank: u32, name: &str| {
+        rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), rank, name)).unwrap()
+    };
+    let plain = rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), 3u32)).unwrap();
+    let req = |rank, reader: Option<&str>| MetaRequest {
+        rank,
+        reader: reader.map(String::from),
+    };
+    assert_eq!(parse_request(GET_META_MSG, 5), Some(req(5, None)));
+    assert_eq!(parse_request(&plain, 5), Some(req(3, None)));
+    assert_eq!(
+        parse_request(&named(2, "d-1"), 5),
+        Some(req(2, Some("d-1")))
+    );
+    let longest = "n".repeat(MAX_READER_NAME);
+    assert_eq!(
+        parse_request(&named(0, &longest), 5),
+        Some(req(0, Some(&longest)))
+    );
+    for bad in [
+        named(0, ""),
+        named(0, &"n".repeat(MAX_READER_NAME + 1)),
+        rmp_serde::to_vec(&(serde_bytes::Bytes::new(b"other"), 0u32, "d")).unwrap(),
+        rmp_serde::to_vec(&(serde_bytes::Bytes::new(b"other"), 0u32)).unwrap(),
+        b"get_meta".to_vec(),
+        Vec::new(),
+    ] {
+        assert_eq!(parse_request(&bad, 5), None, "{bad:?}");
+    }
 }
 
 #[test]

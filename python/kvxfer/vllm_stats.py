@@ -36,6 +36,7 @@ COUNTERS: dict[str, str] = {
     "refused_loads": "Loads refused because one of the same request was in flight",
     "lost_connections": "Prefill connections dropped after a failure (the next load reconnects)",
     "peer_restarts": "Handshakes that found a prefill restarted under the same engine id",
+    "refused_notes": "Read notes dropped: sender unknown, repeated, or a contradicting count",
 }
 
 
@@ -81,6 +82,7 @@ class KvxferStats(KVConnectorStats):
             "refused_loads": d.get("refused_loads", 0),
             "lost_connections": d.get("lost_connections", 0),
             "peer_restarts": d.get("peer_restarts", 0),
+            "refused_notes": d.get("refused_notes", 0),
         }
 
 

@@ -42,6 +42,7 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "refused_loads": 0,
         "lost_connections": 0,
         "peer_restarts": 0,
+        "refused_notes": 0,
     }
     assert KvxferConnector.build_kv_connector_stats(None).is_empty()
     assert KvxferStats().reduce()["avg_xfer_ms"] == 0.0

@@ -38,6 +38,9 @@ pub struct PullMetrics {
     pub lost_connections: u64,
     /// Handshakes that found a new instance under a known engine id and rank: a restart.
     pub peer_restarts: u64,
+    /// Prefill side: pull notes dropped because their sender never fetched this rank's
+    /// metadata, already counted for the request, or named another reader count.
+    pub refused_notes: u64,
     /// Handshake durations observed, summed, and their count.
     pub handshake_time: Duration,
     /// Handshakes completed.
@@ -101,6 +104,7 @@ impl PullMetrics {
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
         self.peer_restarts += o.peer_restarts;
+        self.refused_notes += o.refused_notes;
         self.handshake_time += o.handshake_time;
         self.handshakes += o.handshakes;
         self.backend.merge(&o.backend);

@@ -26,7 +26,7 @@ use super::notify::{self, PullNote};
 use super::scheduler::{RecvRequest, StepMeta};
 use crate::clock::Clock;
 use crate::plan::split_for;
-use crate::sidechannel::{Listener, fetch_metadata, side_channel_port};
+use crate::sidechannel::{KnownReaders, Listener, fetch_metadata_for, side_channel_port};
 use crate::transport::{
     AddrRange, Op, PeerId, Registration, Transport, TransportError, XferId, XferStatus,
 };
@@ -125,8 +125,35 @@ struct Load {
 
 struct Held {
     readers: Option<u32>,
-    got: u32,
+    /// The agents whose read-done notes were counted, each once.
+    senders: Vec<String>,
     deadline: Duration,
+}
+
+impl Held {
+    fn new(deadline: Duration) -> Self {
+        Held {
+            readers: None,
+            senders: Vec::new(),
+            deadline,
+        }
+    }
+
+    /// Counts `from`'s note naming `readers`; false (nothing counted) for a sender already
+    /// counted or a reader count that contradicts the first note's.
+    fn count(&mut self, from: &str, readers: u32) -> bool {
+        if self.readers.is_some_and(|r| r != readers) || self.senders.iter().any(|s| s == from) {
+            return false;
+        }
+        self.readers = Some(readers);
+        self.senders.push(from.to_string());
+        true
+    }
+
+    fn all_read(&self) -> bool {
+        self.readers
+            .is_some_and(|r| self.senders.len() >= r as usize)
+    }
 }
 
 /// One TP rank's worker.
@@ -137,6 +164,8 @@ pub struct PullWorker<T: Transport> {
     clock: Arc<dyn Clock>,
     registrations: Vec<Registration>,
     listener: Option<Listener>,
+    /// Decode agents that fetched this rank's metadata: the only senders of notes counted.
+    readers: Arc<KnownReaders>,
     engines: HashMap<String, Engine>,
     /// The last instance each (engine, rank) named in a handshake.
     instances: HashMap<(String, u32), u64>,
@@ -206,6 +235,7 @@ impl<T: Transport> PullWorker<T> {
         )
         .map_err(PullError::SideChannel)?;
         let now = clock.now();
+        let readers = listener.readers();
         Ok(PullWorker {
             transport,
             config,
@@ -213,6 +243,7 @@ impl<T: Transport> PullWorker<T> {
             clock,
             registrations,
             listener: Some(listener),
+            readers,
             engines: HashMap::new(),
             instances: HashMap::new(),
             queued: HashMap::new(),
@@ -269,13 +300,9 @@ impl<T: Transport> PullWorker<T> {
         }
         let now = self.clock.now();
         for req_id in &meta.hold {
-            let mut held = Held {
-                readers: None,
-                got: 0,
-                deadline: now + self.config.lease,
-            };
+            let mut held = Held::new(now + self.config.lease);
             if let Some(early) = self.early.remove(req_id) {
-                held.got = early.got;
+                held.senders = early.senders;
                 held.readers = early.readers;
             }
             self.hold_or_free(req_id.clone(), held);
@@ -359,6 +386,7 @@ impl<T: Transport> PullWorker<T> {
     fn spawn_handshake(&mut self, req: &RecvRequest) {
         let tx = self.outcomes.0.clone();
         let (host, port, engine_id) = (req.host.clone(), req.port, req.engine_id.clone());
+        let reader = self.transport.name().to_string();
         let (my_rank, my_tp, sharding) = (
             self.config.tp_rank,
             self.config.tp_size,
@@ -372,7 +400,12 @@ impl<T: Transport> PullWorker<T> {
         let spawned = std::thread::Builder::new()
             .name(format!("kvxfer-handshake-{engine_id}"))
             .spawn(move || {
-                let result = handshake(&host, port, my_rank, my_tp, sharding, timeout, limit);
+                let at = Remote {
+                    host: &host,
+                    port,
+                    reader: &reader,
+                };
+                let result = handshake(&at, my_rank, my_tp, sharding, timeout, limit);
                 let _ = tx.send(Outcome {
                     engine_id,
                     started,
@@ -909,21 +942,29 @@ impl<T: Transport> PullWorker<T> {
         }
         let now = self.clock.now();
         for n in notes {
-            match notify::parse(&n.message) {
+            let note = notify::parse(&n.message);
+            if note.is_some() && !self.readers.contains(&n.from) {
+                // Only a decode that fetched our metadata reads (and frees) our blocks.
+                self.metrics.refused_notes += 1;
+                tracing::debug!(from = %n.from, "note from an agent that never fetched our metadata dropped");
+                continue;
+            }
+            match note {
                 Some(PullNote::Read { req_id, readers }) => {
                     if let Some(mut held) = self.held.remove(req_id) {
-                        held.got += 1;
-                        held.readers = Some(readers);
+                        if !held.count(&n.from, readers) {
+                            self.metrics.refused_notes += 1;
+                        }
                         self.hold_or_free(req_id.to_string(), held);
                     } else {
                         // Arrived before the scheduler told us to hold: keep it, never drop.
-                        let early = self.early.entry(req_id.to_string()).or_insert(Held {
-                            readers: None,
-                            got: 0,
-                            deadline: now + self.config.lease,
-                        });
-                        early.got += 1;
-                        early.readers = Some(readers);
+                        let early = self
+                            .early
+                            .entry(req_id.to_string())
+                            .or_insert_with(|| Held::new(now + self.config.lease));
+                        if !early.count(&n.from, readers) {
+                            self.metrics.refused_notes += 1;
+                        }
                     }
                 }
                 Some(PullNote::Heartbeat { req_id }) => {
@@ -937,11 +978,10 @@ impl<T: Transport> PullWorker<T> {
     }
 
     fn hold_or_free(&mut self, req_id: String, held: Held) {
-        match held.readers {
-            Some(r) if held.got >= r => self.finished.sending.push(req_id),
-            _ => {
-                self.held.insert(req_id, held);
-            }
+        if held.all_read() {
+            self.finished.sending.push(req_id);
+        } else {
+            self.held.insert(req_id, held);
         }
     }
 
@@ -1059,18 +1099,27 @@ fn register_spans<T: Transport>(
         .collect()
 }
 
+/// A prefill's side channel, and the agent that asks it (named in each request, so the
+/// prefill accepts its notes).
+struct Remote<'a> {
+    host: &'a str,
+    port: u16,
+    reader: &'a str,
+}
+
 /// Fetches rank 0 (to learn the prefill's TP), then every prefill rank this decode rank
 /// links with. Runs on a handshake thread.
 fn handshake(
-    host: &str,
-    port: u16,
+    at: &Remote<'_>,
     my_rank: u32,
     my_tp: u32,
     sharding: kvxfer_layout::HeadSharding,
     timeout: Duration,
     limit: usize,
 ) -> Result<(u32, Vec<(u32, HandshakeMeta)>), String> {
-    let first = fetch_metadata(host, port, None, timeout, limit).map_err(|e| e.to_string())?;
+    let (host, port) = (at.host, at.port);
+    let first =
+        fetch_metadata_for(host, port, 0, at.reader, timeout, limit).map_err(|e| e.to_string())?;
     let remote_tp =
         u32::try_from(first.tp_size).map_err(|_| "remote tp_size exceeds u32".to_string())?;
     let mapping = TpMapping::new(remote_tp, my_tp, sharding).map_err(|e| e.to_string())?;
@@ -1092,7 +1141,7 @@ fn handshake(
             .map_err(|_| format!("port of prefill rank {r} exceeds 65535"))?;
         metas.push((
             r,
-            fetch_metadata(host, p, None, timeout, limit).map_err(|e| e.to_string())?,
+            fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?,
         ));
     }
     Ok((remote_tp, metas))

@@ -60,7 +60,33 @@ pub fn fetch_metadata(
             rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), r)).unwrap_or_default()
         }
     };
-    let reply = request_bytes(host, port, &request, timeout, max_reply)?;
+    fetch(host, port, &request, timeout, max_reply)
+}
+
+/// Asks `host:port` for TP rank `rank`'s metadata on behalf of agent `reader`, which the
+/// listener then counts among the peers whose read notifications it accepts (kvxfer
+/// listeners only). Every wait is bounded by `timeout`.
+pub fn fetch_metadata_for(
+    host: &str,
+    port: u16,
+    rank: u32,
+    reader: &str,
+    timeout: Duration,
+    max_reply: usize,
+) -> Result<HandshakeMeta, FetchError> {
+    let request = rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), rank, reader))
+        .unwrap_or_default();
+    fetch(host, port, &request, timeout, max_reply)
+}
+
+fn fetch(
+    host: &str,
+    port: u16,
+    request: &[u8],
+    timeout: Duration,
+    max_reply: usize,
+) -> Result<HandshakeMeta, FetchError> {
+    let reply = request_bytes(host, port, request, timeout, max_reply)?;
     HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
         endpoint: endpoint(host, port),
         error,

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 
+use super::readers::{KnownReaders, MAX_READER_NAME};
 use super::{bind_router, endpoint};
 use crate::wire::handshake::GET_META_MSG;
 
@@ -29,12 +30,14 @@ pub struct Listener {
     thread: Option<JoinHandle<()>>,
     replies: Arc<RwLock<HashMap<u32, Vec<u8>>>>,
     stats: Arc<ListenerStats>,
+    readers: Arc<KnownReaders>,
 }
 
 impl Listener {
     /// Binds `host:port` (port 0 picks a free one) and serves `reply` for `rank`; requests
     /// of exactly `get_meta_msg` get this rank's reply, requests naming a rank get that
-    /// rank's reply if this listener holds it.
+    /// rank's reply if this listener holds it, and the agent a request names as its reader
+    /// joins [`Listener::readers`] once it is served.
     pub fn bind(host: &str, port: u16, rank: u32, reply: Vec<u8>) -> Result<Self, String> {
         let key = super::auth::key()?;
         let (socket, port) = bind_router(host, port, MAX_REQUEST_BYTES, POLL_MS as i32)?;
@@ -42,12 +45,22 @@ impl Listener {
         let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ListenerStats::default());
+        let readers = Arc::new(KnownReaders::default());
         let thread = {
-            let (replies, stop, stats) =
-                (Arc::clone(&replies), Arc::clone(&stop), Arc::clone(&stats));
+            let (replies, stop, stats, known) = (
+                Arc::clone(&replies),
+                Arc::clone(&stop),
+                Arc::clone(&stats),
+                Arc::clone(&readers),
+            );
+            let shared = Shared {
+                replies,
+                stats,
+                readers: known,
+            };
             std::thread::Builder::new()
                 .name(format!("kvxfer-listen-{port}"))
-                .spawn(move || serve(socket, rank, key, &replies, &stop, &stats))
+                .spawn(move || serve(socket, rank, key, &shared, &stop))
                 .map_err(|e| format!("cannot start listener thread: {e}"))?
         };
         tracing::debug!(%bound, rank, "side channel listening");
@@ -57,7 +70,13 @@ impl Listener {
             thread: Some(thread),
             replies,
             stats,
+            readers,
         })
+    }
+
+    /// The agents served so far that named themselves as readers (bounded, oldest out).
+    pub fn readers(&self) -> Arc<KnownReaders> {
+        Arc::clone(&self.readers)
     }
 
     /// The bound port.
@@ -88,24 +107,56 @@ impl Drop for Listener {
     }
 }
 
-/// Which rank a request asks for: `get_meta_msg` alone (this rank), or a msgpack array
-/// `["get_meta_msg", rank]`.
-fn requested_rank(payload: &[u8], own: u32) -> Option<u32> {
+/// A metadata request, as [`parse_request`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaRequest {
+    /// The TP rank asked for.
+    pub rank: u32,
+    /// The agent that will read (and notify) this rank, when the request names it.
+    pub reader: Option<String>,
+}
+
+/// Reads a request: `get_meta_msg` alone (rank `own`), or a msgpack array
+/// `["get_meta_msg", rank]` or `["get_meta_msg", rank, reader]` (an agent name of 1 to
+/// [`MAX_READER_NAME`] bytes); anything else is `None`.
+pub fn parse_request(payload: &[u8], own: u32) -> Option<MetaRequest> {
     if payload == GET_META_MSG {
-        return Some(own);
+        return Some(MetaRequest {
+            rank: own,
+            reader: None,
+        });
     }
-    let (tag, rank): (serde_bytes::ByteBuf, u32) = rmp_serde::from_slice(payload).ok()?;
-    (tag.as_ref() == GET_META_MSG).then_some(rank)
+    type Named = (serde_bytes::ByteBuf, u32, String);
+    let (tag, rank, reader) = match rmp_serde::from_slice::<Named>(payload) {
+        Ok((tag, rank, name)) => {
+            if name.is_empty() || name.len() > MAX_READER_NAME {
+                return None;
+            }
+            (tag, rank, Some(name))
+        }
+        Err(_) => {
+            let (tag, rank): (serde_bytes::ByteBuf, u32) = rmp_serde::from_slice(payload).ok()?;
+            (tag, rank, None)
+        }
+    };
+    (tag.as_ref() == GET_META_MSG).then_some(MetaRequest { rank, reader })
+}
+
+/// What the listener thread shares with its owner.
+struct Shared {
+    replies: Arc<RwLock<HashMap<u32, Vec<u8>>>>,
+    stats: Arc<ListenerStats>,
+    readers: Arc<KnownReaders>,
 }
 
 fn serve(
     socket: zmq::Socket,
     own: u32,
     key: Option<super::auth::SideKey>,
-    replies: &RwLock<HashMap<u32, Vec<u8>>>,
+    shared: &Shared,
     stop: &AtomicBool,
-    stats: &ListenerStats,
 ) {
+    let stats = &shared.stats;
     let mut seen = super::auth::ReplayGuard::default();
     while !stop.load(Ordering::SeqCst) {
         let frames = match socket.recv_multipart(0) {
@@ -148,16 +199,21 @@ fn serve(
                 }
             },
         };
-        let reply = requested_rank(payload, own).and_then(|r| {
-            replies
+        let request = parse_request(payload, own);
+        let reply = request.as_ref().and_then(|r| {
+            shared
+                .replies
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
-                .get(&r)
+                .get(&r.rank)
                 .cloned()
         });
         let body = match reply {
             Some(bytes) => {
                 stats.served.fetch_add(1, Ordering::Relaxed);
+                if let Some(reader) = request.and_then(|r| r.reader) {
+                    shared.readers.add(&reader);
+                }
                 bytes
             }
             None => {

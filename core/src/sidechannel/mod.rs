@@ -6,10 +6,12 @@
 pub mod auth;
 mod client;
 mod listener;
+mod readers;
 mod server;
 
-pub use client::{FetchError, fetch_metadata, request_bytes};
-pub use listener::{Listener, ListenerStats, MAX_REQUEST_BYTES};
+pub use client::{FetchError, fetch_metadata, fetch_metadata_for, request_bytes};
+pub use listener::{Listener, ListenerStats, MAX_REQUEST_BYTES, MetaRequest, parse_request};
+pub use readers::{KnownReaders, MAX_READER_NAME, MAX_READERS};
 pub use server::{Handler, MessageServer};
 
 use std::sync::OnceLock;
