@@ -80,9 +80,14 @@ struct DecodeRoom {
     aux_index: Option<u32>,
     state_indices: Vec<u32>,
     expect: Option<Expectation>,
+    /// Per writer: chunks noted, and the id of its last chunk once noted.
     chunks: HashMap<Writer, (HashSet<u32>, Option<u32>)>,
-    aux: bool,
-    states: HashSet<u32>,
+    /// Agents that noted aux data (only the expected one counts).
+    aux: HashSet<String>,
+    /// Writers that noted state data (only expected writers count, once per stage).
+    states: HashSet<Writer>,
+    /// Agents that noted an abort (only the room's prefill ranks count).
+    aborts: HashSet<String>,
     ranks: Vec<RankInfo>,
     error: Option<String>,
 }
@@ -99,12 +104,30 @@ impl DecodeRoom {
     fn complete(&self) -> bool {
         let Some(e) = &self.expect else { return false };
         let kv = e.writers.iter().all(|w| match self.chunks.get(w) {
-            Some((got, Some(n))) => got.len() as u32 == *n,
+            // Every chunk 0..=last, and no other.
+            Some((got, Some(last))) => {
+                got.len() as u64 == u64::from(*last) + 1 && got.iter().all(|c| c <= last)
+            }
             _ => false,
         });
-        let aux = e.aux_from.is_none() || self.aux;
-        let state = self.states.len() as u32 >= e.state_stages;
-        kv && aux && state
+        let aux = e.aux_from.as_ref().is_none_or(|a| self.aux.contains(a));
+        let stages: HashSet<u32> = self
+            .states
+            .iter()
+            .filter(|w| e.writers.contains(*w))
+            .map(|w| w.1)
+            .collect();
+        kv && aux && stages.len() as u32 >= e.state_stages
+    }
+
+    /// Whether `agent` is one of the room's prefill ranks; before the bootstrap named them,
+    /// nobody can be ruled out (notes may overtake the bootstrap's reply).
+    fn may_write(&self, agent: &str) -> bool {
+        self.ranks.is_empty() || self.ranks.iter().any(|r| r.agent == agent)
+    }
+
+    fn aborted_by_prefill(&self) -> bool {
+        self.ranks.iter().any(|r| self.aborts.contains(&r.agent))
     }
 }
 
@@ -258,8 +281,9 @@ impl<T: Transport> PushDecode<T> {
                 state_indices,
                 expect: None,
                 chunks: HashMap::new(),
-                aux: false,
+                aux: HashSet::new(),
                 states: HashSet::new(),
+                aborts: HashSet::new(),
                 ranks: Vec::new(),
                 error: None,
             },
@@ -315,6 +339,9 @@ impl<T: Transport> PushDecode<T> {
         }
         let now = self.clock.now();
         for (id, r) in &mut self.rooms {
+            if r.aborted_by_prefill() {
+                r.fail("aborted by the prefill".into());
+            }
             if !r.status.is_final() && r.complete() {
                 r.status = RoomStatus::Success;
             }
@@ -408,6 +435,11 @@ impl<T: Transport> PushDecode<T> {
             self.unknown_notifications += 1;
             return;
         };
+        if !r.may_write(from) {
+            // Not one of the room's prefill ranks: it can neither complete nor fail it.
+            self.unknown_notifications += 1;
+            return;
+        }
         match note {
             PushNote::Kv {
                 chunk,
@@ -418,15 +450,19 @@ impl<T: Transport> PushDecode<T> {
                 let entry = r.chunks.entry((from.to_string(), pp_rank)).or_default();
                 entry.0.insert(chunk);
                 if is_last {
-                    entry.1 = Some(chunk + 1);
+                    entry.1 = Some(chunk);
                 }
                 r.status = r.status.update(RoomStatus::Transferring);
             }
-            PushNote::Aux { .. } => r.aux = true,
-            PushNote::State { pp_rank, .. } => {
-                r.states.insert(pp_rank);
+            PushNote::Aux { .. } => {
+                r.aux.insert(from.to_string());
             }
-            PushNote::Abort { .. } => r.fail("aborted by the prefill".into()),
+            PushNote::State { pp_rank, .. } => {
+                r.states.insert((from.to_string(), pp_rank));
+            }
+            PushNote::Abort { .. } => {
+                r.aborts.insert(from.to_string());
+            }
         }
     }
 
@@ -500,7 +536,9 @@ fn expectation(
     Ok(Expectation {
         writers,
         aux_from: if wants_aux {
-            lead.and_then(|q| agent(q, first.pp_size - 1))
+            // The lead writer of the last stage.
+            lead.zip(first.pp_size.checked_sub(1))
+                .and_then(|(q, last)| agent(q, last))
         } else {
             None
         },
@@ -593,6 +631,7 @@ impl Control {
                 other => return Err(format!("unexpected registry reply {other:?}")),
             }
         };
+        messages::check_layout(&ranks).map_err(|e| format!("prefill registry's layout: {e}"))?;
         let first = ranks.first().ok_or("the prefill registered no ranks")?;
         let mine = &self.args.layout;
         if first.page_size != mine.tokens_per_block || first.dtype != mine.dtype {

@@ -22,6 +22,25 @@ pub struct BufferWire {
     pub items: u32,
 }
 
+impl BufferWire {
+    /// The address one past the last item, or `None` where a peer's numbers overflow.
+    pub fn end(&self) -> Option<u64> {
+        self.item_len
+            .checked_mul(u64::from(self.items))
+            .and_then(|len| self.base.checked_add(len))
+    }
+
+    /// Where item `i` starts, or `None` past the last item.
+    pub fn item(&self, i: u32) -> Option<u64> {
+        if i >= self.items {
+            return None;
+        }
+        self.item_len
+            .checked_mul(u64::from(i))
+            .and_then(|off| self.base.checked_add(off))
+    }
+}
+
 /// What a decode rank registers once with each prefill rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterArgs {
@@ -107,6 +126,74 @@ pub struct RankInfo {
     pub first_layer: u32,
     /// Layers of the stage.
     pub num_layers: u32,
+}
+
+/// Longest agent name a rank may register.
+pub const MAX_AGENT_NAME: usize = 256;
+
+impl RankInfo {
+    /// Refuses a rank outside its own declared sizes (sizes of 0 included), without an
+    /// agent name, or whose stage's layer range overflows.
+    pub fn check(&self) -> Result<(), String> {
+        let within = |rank: u32, size: u32| size > 0 && rank < size;
+        if !(within(self.tp_rank, self.tp_size)
+            && within(self.pp_rank, self.pp_size)
+            && within(self.dp_rank, self.dp_size))
+        {
+            return Err(format!(
+                "rank outside its declared sizes: tp {}/{}, pp {}/{}, dp {}/{}",
+                self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.dp_rank, self.dp_size
+            ));
+        }
+        if self.agent.is_empty() || self.agent.len() > MAX_AGENT_NAME {
+            return Err(format!("agent name of {} bytes", self.agent.len()));
+        }
+        if self.page_size == 0 || self.first_layer.checked_add(self.num_layers).is_none() {
+            return Err(format!(
+                "page size {} or layers {}+{} out of range",
+                self.page_size, self.first_layer, self.num_layers
+            ));
+        }
+        Ok(())
+    }
+
+    fn shape(&self) -> (u32, u32, u32, u32, &str) {
+        (
+            self.tp_size,
+            self.pp_size,
+            self.dp_size,
+            self.page_size,
+            &self.dtype,
+        )
+    }
+}
+
+/// Checks a registry's complete layout as a decode receives it: every rank valid, all
+/// agreeing on sizes, page size and dtype, each (dp, pp, tp) once, and exactly
+/// `tp × pp × dp` of them.
+pub fn check_layout(ranks: &[RankInfo]) -> Result<(), String> {
+    let first = ranks.first().ok_or("the prefill registered no ranks")?;
+    let mut seen = std::collections::HashSet::new();
+    for r in ranks {
+        r.check()?;
+        if r.shape() != first.shape() {
+            return Err("ranks disagree on sizes, page size or dtype".into());
+        }
+        if !seen.insert((r.dp_rank, r.pp_rank, r.tp_rank)) {
+            return Err(format!(
+                "rank dp {} pp {} tp {} listed twice",
+                r.dp_rank, r.pp_rank, r.tp_rank
+            ));
+        }
+    }
+    let expected = u64::from(first.tp_size) * u64::from(first.pp_size) * u64::from(first.dp_size);
+    if ranks.len() as u64 != expected {
+        return Err(format!(
+            "{} ranks listed, {expected} expected from their sizes",
+            ranks.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Requests to the bootstrap registry.
@@ -261,6 +348,73 @@ pub fn parse_note(message: &[u8]) -> Option<PushNote> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rank(tp_rank: u32, pp_rank: u32) -> RankInfo {
+        RankInfo {
+            agent: format!("p{pp_rank}-{tp_rank}"),
+            tp_size: 2,
+            tp_rank,
+            pp_size: 2,
+            pp_rank,
+            dp_size: 1,
+            dp_rank: 0,
+            host: "127.0.0.1".into(),
+            port: 1,
+            page_size: 16,
+            dtype: "bf16".into(),
+            first_layer: 0,
+            num_layers: 4,
+        }
+    }
+
+    #[test]
+    fn layouts_are_checked_before_use() {
+        let good: Vec<RankInfo> = (0..2)
+            .flat_map(|pp| (0..2).map(move |tp| rank(tp, pp)))
+            .collect();
+        assert_eq!(check_layout(&good), Ok(()));
+        let broken = |f: &dyn Fn(&mut Vec<RankInfo>)| {
+            let mut l = good.clone();
+            f(&mut l);
+            check_layout(&l).expect_err("accepted")
+        };
+        assert!(broken(&|l| l.clear()).contains("no ranks"));
+        assert!(broken(&|l| l[1].pp_size = 0).contains("declared sizes"));
+        assert!(broken(&|l| l[1].tp_rank = 2).contains("declared sizes"));
+        assert!(broken(&|l| l[1].agent.clear()).contains("agent name"));
+        assert!(broken(&|l| l[1].page_size = 0).contains("page size"));
+        assert!(broken(&|l| l[1].first_layer = u32::MAX).contains("layers"));
+        assert!(broken(&|l| l[1].dtype = "f32".into()).contains("disagree"));
+        assert!(broken(&|l| l[1] = l[0].clone()).contains("twice"));
+        assert!(
+            broken(&|l| {
+                l.pop();
+            })
+            .contains("expected")
+        );
+    }
+
+    #[test]
+    fn buffer_items_never_wrap() {
+        let b = BufferWire {
+            base: u64::MAX - 100,
+            item_len: 10,
+            items: 20,
+        };
+        assert_eq!(b.end(), None);
+        assert_eq!(b.item(0), Some(u64::MAX - 100));
+        assert_eq!(b.item(11), None, "past the address space");
+        assert_eq!(b.item(20), None, "past the last item");
+        let ok = BufferWire {
+            base: 0x1000,
+            item_len: 8,
+            items: 4,
+        };
+        assert_eq!(
+            (ok.end(), ok.item(3), ok.item(4)),
+            (Some(0x1020), Some(0x1018), None)
+        );
+    }
 
     #[test]
     fn notes_round_trip_and_junk_is_none() {

@@ -451,6 +451,18 @@ impl<T: Transport> PushPrefill<T> {
         {
             return Err("state buffers differ in count or item length".into());
         }
+        // Item addresses are computed from these numbers for every WRITE: none may wrap.
+        if let Some(b) = args
+            .aux
+            .iter()
+            .chain(&args.state)
+            .find(|b| b.end().is_none())
+        {
+            return Err(format!(
+                "buffer of {} items of {} bytes at {:#x} overflows the address space",
+                b.items, b.item_len, b.base
+            ));
+        }
         let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
             .map_err(|e| e.to_string())?;
         if self
@@ -701,7 +713,7 @@ impl<T: Transport> PushPrefill<T> {
         }
         if let (Some(src_i), Some(dst_i)) = (aux_index, dest.aux_index) {
             if pp_rank + 1 == pp_size && !self.bufs.aux.is_empty() {
-                let (l, r) = items(&self.bufs.aux, &d.args.aux, &[src_i], &[dst_i]);
+                let (l, r) = items(&self.bufs.aux, &d.args.aux, &[src_i], &[dst_i])?;
                 let x = self.transport.post(
                     Op::Write,
                     d.peer,
@@ -730,7 +742,7 @@ impl<T: Transport> PushPrefill<T> {
                 &d.args.state,
                 state_indices,
                 &dest.state_indices,
-            );
+            )?;
             let x = self.transport.post(
                 Op::Write,
                 d.peer,
@@ -746,28 +758,25 @@ impl<T: Transport> PushPrefill<T> {
 }
 
 /// Item-wise ranges of parallel buffers: item `src[i]` of each local buffer to item
-/// `dst[i]` of the matching remote buffer.
+/// `dst[i]` of the matching remote buffer; an index past a buffer's end is an error.
 fn items(
     local: &[super::messages::BufferWire],
     remote: &[super::messages::BufferWire],
     src: &[u32],
     dst: &[u32],
-) -> (Vec<AddrRange>, Vec<AddrRange>) {
+) -> Result<(Vec<AddrRange>, Vec<AddrRange>), String> {
     let mut l = Vec::new();
     let mut r = Vec::new();
     for (lb, rb) in local.iter().zip(remote) {
         for (&s, &d) in src.iter().zip(dst) {
-            l.push(AddrRange::new(
-                lb.base + lb.item_len * u64::from(s),
-                lb.item_len,
-            ));
-            r.push(AddrRange::new(
-                rb.base + rb.item_len * u64::from(d),
-                rb.item_len,
-            ));
+            let (Some(from), Some(to)) = (lb.item(s), rb.item(d)) else {
+                return Err(format!("item {s} -> {d} is outside its buffer"));
+            };
+            l.push(AddrRange::new(from, lb.item_len));
+            r.push(AddrRange::new(to, rb.item_len));
         }
     }
-    (l, r)
+    Ok((l, r))
 }
 
 fn validate_len(d: &RoomRequest, total: usize) -> Option<String> {

@@ -44,16 +44,8 @@ fn answer(ranks: &Mutex<BTreeMap<Key, RankInfo>>, instance: u64, bytes: &[u8]) -
     match msg {
         ToRegistry::Health => FromRegistry::Ok,
         ToRegistry::Register(info) => {
-            let sizes_ok = info.tp_size > 0
-                && info.pp_size > 0
-                && info.dp_size > 0
-                && info.tp_rank < info.tp_size
-                && info.pp_rank < info.pp_size
-                && info.dp_rank < info.dp_size;
-            if !sizes_ok {
-                return FromRegistry::Error {
-                    reason: "rank outside its declared sizes".into(),
-                };
+            if let Err(reason) = info.check() {
+                return FromRegistry::Error { reason };
             }
             if let Some(other) = ranks.values().next() {
                 let same = (

@@ -1,0 +1,230 @@
+//! Push mode against peers that lie, on the loopback: notifications from agents that are not
+//! the room's prefill ranks neither complete nor fail a room; numbers a registry or a decode
+//! sends are checked before anything uses them (no panic, no wrap, a clear refusal).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::Transport;
+use kvxfer_core::push::RoomStatus;
+use kvxfer_core::push::messages::{
+    self, BufferWire, FromPrefill, FromRegistry, RankInfo, RegisterArgs, ToPrefill, ToRegistry,
+    encode,
+};
+use kvxfer_core::sidechannel::{MessageServer, request_bytes};
+use kvxfer_core::wire::handshake::LayoutWire;
+use kvxfer_layout::BlockOrder;
+use kvxfer_tests::pull_env::Model;
+use kvxfer_tests::push_env::{DecodeSide, PrefillSide, Setup, decode, poll_until, prefill};
+use kvxfer_tests::scenarios::pull::clock;
+use kvxfer_transport_loopback::LoopbackTransport;
+
+/// An agent that loaded decode rank 0's metadata and sends it whatever it likes, under the
+/// name it was given (names are the sender's own claim).
+fn forger(name: &str, dec: &DecodeSide) -> (LoopbackTransport, kvxfer_core::PeerId) {
+    let mut t = LoopbackTransport::new(name).expect("agent");
+    let meta = dec.ranks[0].transport().metadata().expect("metadata");
+    let peer = t.load_peer(&meta).expect("load decode");
+    (t, peer)
+}
+
+/// Room 1 (one page, aux) bootstrapped on both sides and waiting for the prefill's data.
+fn waiting_room(name: &str) -> (PrefillSide, DecodeSide) {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let c = clock();
+    let mut pre = prefill(&s, name, Arc::clone(&c), None, None);
+    let mut dec = decode(&s, name, c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], Some(2), vec![]);
+    pre.ranks[0].add_room(1, 1, Some(0), vec![]);
+    poll_until(&mut pre, &mut dec, |pre, dec| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+            && dec.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    (pre, dec)
+}
+
+fn settle(pre: &mut PrefillSide, dec: &mut DecodeSide) {
+    for _ in 0..50 {
+        pre.ranks[0].poll();
+        dec.ranks[0].poll();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+#[test]
+fn notes_from_agents_that_are_not_the_rooms_prefill_are_dropped() {
+    let (mut pre, mut dec) = waiting_room("pn1");
+    let before = dec.ranks[0].unknown_notifications();
+    let (mut x, peer) = forger("pn1-outsider", &dec);
+    for note in [
+        "1_abort",
+        "1_kv_0_1_0",
+        "1_kv_4294967295_1_0",
+        "1_aux",
+        "1_state_0",
+    ] {
+        x.send_notification(peer, note.as_bytes()).expect("send");
+    }
+    settle(&mut pre, &mut dec);
+    assert_eq!(
+        dec.ranks[0].status(1),
+        Some(RoomStatus::WaitingForInput),
+        "{:?}",
+        dec.ranks[0].error(1)
+    );
+    assert_eq!(dec.ranks[0].unknown_notifications() - before, 5);
+    // The real prefill still completes the room, every byte right.
+    pre.ranks[0].send(1, &[3]).expect("send");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    dec.mem[0].kv.verify(&[(3, 5)]).expect("bytes");
+    assert!(dec.mem[0].aux.holds(2, 0), "aux item");
+}
+
+/// A note under the prefill rank's own name claiming chunk `u32::MAX` is the last: no
+/// overflow, and the room cannot complete on it (it waits for chunks that never come).
+#[test]
+fn a_last_chunk_at_u32_max_neither_wraps_nor_completes() {
+    let (mut pre, mut dec) = waiting_room("pn2");
+    let (mut x, peer) = forger("pn2-p0-0", &dec);
+    x.send_notification(peer, b"1_kv_4294967295_1_0")
+        .expect("send");
+    x.send_notification(peer, b"1_aux").expect("send");
+    settle(&mut pre, &mut dec);
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Transferring));
+}
+
+/// A registry whose layout lists a rank with `pp_size: 0`: the room fails naming the
+/// layout; nothing underflows.
+#[test]
+fn a_registry_layout_with_zero_stages_fails_the_room() {
+    let rank = RankInfo {
+        agent: "liar-p0-0".into(),
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 0,
+        pp_rank: 0,
+        dp_size: 1,
+        dp_rank: 0,
+        host: "127.0.0.1".into(),
+        port: 0,
+        page_size: 4,
+        dtype: "f16".into(),
+        first_layer: 0,
+        num_layers: 2,
+    };
+    // The liar is registry and mailbox at once: it accepts every registration and room.
+    let server = MessageServer::bind(
+        "127.0.0.1",
+        0,
+        1 << 20,
+        Box::new(
+            move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
+                Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
+                    instance: 1,
+                    ranks: vec![rank.clone()],
+                }),
+                _ => encode(&FromPrefill::Ok),
+            },
+        ),
+    )
+    .expect("server");
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let mut dec = decode(&s, "pn3", clock());
+    dec.ranks[0].add_room(1, ("127.0.0.1", server.port()), vec![5], Some(2), vec![]);
+    let start = Instant::now();
+    while !dec.ranks[0].status(1).is_some_and(RoomStatus::is_final) {
+        dec.ranks[0].poll();
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "room never ended"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Failed));
+    let error = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(error.contains("registry's layout"), "{error}");
+}
+
+/// A decode registering an aux buffer that ends past `u64::MAX` is refused at registration
+/// (counted), so no room of it can reach a WRITE.
+#[test]
+fn a_registered_buffer_that_wraps_is_refused() {
+    let (mut pre, dec) = waiting_room("pn4");
+    let layout = match messages::decode::<FromRegistry>(
+        &request_bytes(
+            "127.0.0.1",
+            pre.registry.port(),
+            &encode(&ToRegistry::Query),
+            Duration::from_secs(5),
+            1 << 20,
+        )
+        .expect("query"),
+        "reply",
+    ) {
+        Ok(FromRegistry::Layout { ranks, .. }) => ranks,
+        other => panic!("{other:?}"),
+    };
+    let mailbox = &layout[0];
+    let item_len = kvxfer_tests::push_env::ITEM_LEN;
+    let spec = dec.mem[0].kv.spec;
+    let args = RegisterArgs {
+        agent: "pn4-wrapper".into(),
+        agent_metadata: dec.ranks[0].transport().metadata().expect("metadata"),
+        layout: LayoutWire::from_spec(&spec, 4, 2, 0),
+        kv_bases: dec.mem[0].kv.bases(),
+        aux: vec![BufferWire {
+            base: u64::MAX - 10,
+            item_len,
+            items: 4,
+        }],
+        state: vec![],
+        tp_size: 1,
+        tp_rank: 0,
+    };
+    let before = pre.ranks[0].refused();
+    let reply = request_bytes(
+        &mailbox.host,
+        mailbox.port,
+        &encode(&ToPrefill::Register(args)),
+        Duration::from_secs(5),
+        1 << 20,
+    )
+    .expect("reply");
+    assert_eq!(
+        messages::decode::<FromPrefill>(&reply, "reply").ok(),
+        Some(FromPrefill::Ok),
+        "the mailbox queues what it received for the engine's poll"
+    );
+    let start = Instant::now();
+    while pre.ranks[0].refused() == before {
+        pre.ranks[0].poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "never refused");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The refused decode cannot open a room: the prefill does not know it.
+    let room = kvxfer_core::push::messages::RoomRequest {
+        room: 9,
+        agent: "pn4-wrapper".into(),
+        pages: vec![1],
+        aux_index: Some(0),
+        state_indices: vec![],
+    };
+    let _ = request_bytes(
+        &mailbox.host,
+        mailbox.port,
+        &encode(&ToPrefill::Room(room)),
+        Duration::from_secs(5),
+        1 << 20,
+    );
+    let refused = pre.ranks[0].refused();
+    let start = Instant::now();
+    while pre.ranks[0].refused() == refused {
+        pre.ranks[0].poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "room accepted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
