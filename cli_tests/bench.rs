@@ -283,6 +283,47 @@ fn serve_and_bench(transport: &str, mode: &str) {
     );
 }
 
+/// A served prefill and decodes of other concurrencies agree on every block, in both modes:
+/// the source blocks depend on the prefill's block count, not on the decode's concurrency
+/// (a push decode at `--concurrency 4` used to derive other sources than `serve`).
+#[test]
+fn served_prefill_and_decodes_agree_across_concurrency_blocks_and_tokens() {
+    if !runnable("ucx", "serve/bench matrix") {
+        return;
+    }
+    for mode in ["pull", "push"] {
+        for (blocks, tokens) in [("8", "64"), ("64", "100")] {
+            let shape = ["--mode", mode, "--num-blocks", blocks, "--tokens", tokens];
+            let (mut server, port) = spawn_serve("ucx", &shape, None);
+            let connect = format!("127.0.0.1:{port}");
+            for concurrency in ["1", "4"] {
+                let mut args = vec![
+                    "bench",
+                    "--transport",
+                    "ucx",
+                    "--connect",
+                    &connect,
+                    "--requests",
+                    "4",
+                    "--warmup",
+                    "0",
+                    "--concurrency",
+                    concurrency,
+                ];
+                args.extend(shape);
+                let (code, out, err) = kvxfer(&args);
+                assert!(
+                    code == 0 && out.contains("all correct"),
+                    "{mode}, {blocks} blocks, {tokens} tokens, concurrency {concurrency}: \
+                     {err}{out}"
+                );
+            }
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
+}
+
 /// `--config FILE`: the documented example is accepted, its keys reach the run, flags on the
 /// command line win, and bad files give clear errors before anything runs.
 #[test]

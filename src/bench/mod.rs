@@ -333,7 +333,12 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
                 c.fragmented,
                 &mut state,
             );
-            let remote = choose(0..num_blocks, per_request, c.fragmented, &mut state);
+            let remote = choose(
+                0..source_blocks(c, per_request),
+                per_request,
+                c.fragmented,
+                &mut state,
+            );
             let asks = KvTransferParams {
                 do_remote_decode: true,
                 ..Default::default()
@@ -527,9 +532,7 @@ pub fn serve(
         return push::serve(c, host, port, stop);
     }
     let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
-    let num_blocks = c
-        .num_blocks
-        .max(per_request.saturating_mul(c.concurrency.max(1)));
+    let num_blocks = source_blocks(c, per_request);
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let mut pre = side(
         c,
@@ -554,6 +557,12 @@ pub fn serve(
         w.shutdown();
     }
     Ok(())
+}
+
+/// The prefill blocks requests read from: `--num-blocks`, raised to hold one request. Not
+/// the decode's concurrency: a `kvxfer serve` in another process must derive the same.
+pub(crate) fn source_blocks(c: &BenchConfig, per_request: u32) -> u32 {
+    c.num_blocks.max(per_request)
 }
 
 /// The loopback's agents live in one process: refuse it for runs that span processes.

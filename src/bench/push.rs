@@ -127,17 +127,13 @@ fn prefill_side(
     Ok(pre)
 }
 
-/// The prefill blocks a room's KV comes from: derived from the seed and the room id alone,
-/// so a prefill in another process (`kvxfer serve --mode push`) and the decode that verifies
-/// agree without exchanging them.
-pub(super) fn source_pages(
-    c: &BenchConfig,
-    room: u64,
-    per_request: u32,
-    num_blocks: u32,
-) -> Vec<u32> {
+/// The prefill blocks a room's KV comes from: derived from the seed, the room id and the
+/// prefill's block count alone, so a prefill in another process (`kvxfer serve --mode push`)
+/// and the decode that verifies agree without exchanging them.
+pub(super) fn source_pages(c: &BenchConfig, room: u64, per_request: u32) -> Vec<u32> {
     let mut state = (c.seed ^ room.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
-    choose(0..num_blocks, per_request, c.fragmented, &mut state)
+    let blocks = super::source_blocks(c, per_request);
+    choose(0..blocks, per_request, c.fragmented, &mut state)
 }
 
 /// Runs the push-mode bench.
@@ -217,7 +213,7 @@ pub(super) fn run(
                 c.fragmented,
                 &mut state,
             );
-            let remote = source_pages(c, room, per_request, num_blocks);
+            let remote = source_pages(c, room, per_request);
             for d in &mut dec.workers {
                 d.add_room(
                     room,
@@ -390,7 +386,7 @@ pub(super) fn serve(
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(), BenchError> {
     let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
-    let num_blocks = c.num_blocks.max(per_request);
+    let num_blocks = super::source_blocks(c, per_request);
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
     let mut pre = prefill_side(c, &mapping, num_blocks, (host, port), clock)?;
@@ -429,7 +425,7 @@ pub(super) fn serve(
                     .iter()
                     .all(|s| *s == Some(RoomStatus::WaitingForInput))
             {
-                let pages = source_pages(c, room, per_request, num_blocks);
+                let pages = source_pages(c, room, per_request);
                 for p in &mut pre.workers {
                     for chunk in pages.chunks(CHUNK_PAGES) {
                         if let Err(e) = p.send(room, chunk) {
