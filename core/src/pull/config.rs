@@ -7,12 +7,17 @@ use kvxfer_layout::{CacheKind, CacheSpec, HeadSharding};
 use crate::transport::MemoryKind;
 use crate::wire::handshake::MAX_HANDSHAKE_BYTES;
 
-/// What an engine does with a request whose KV cache could not be loaded.
+/// What the engine should do with a request whose KV cache could not be loaded. kvxfer only
+/// reports the failure: the request appears in `Finished::recving` and `Finished::failed`
+/// with the local blocks whose content is invalid and this policy, after no transfer writes
+/// into them any more. The engine acts on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailurePolicy {
-    /// Abort the request.
+    /// End the request with an error (vLLM: finish reason `error`) and free its blocks.
     Fail,
-    /// Recompute the invalid blocks locally.
+    /// Treat the invalid blocks as not computed and compute their tokens locally (vLLM
+    /// reschedules the request from its first invalid block), so the request completes as if
+    /// no KV had been sent, only later.
     Recompute,
 }
 

@@ -17,6 +17,7 @@ macro_rules! pull_scenarios {
             full_prefix_hit_only_notifies_and_partial_hit_reads_the_tail,
             layout_mismatch_is_refused_naming_fields,
             handshake_failure_returns_request_with_invalid_blocks,
+            failure_policy_reaches_the_report,
             loads_never_block_on_a_slow_handshake, lease_expiry_frees_held_blocks,
             compat_enforcement_can_be_disabled, setup_failure_returns_invalid_blocks,
             per_layer_windows_move_only_the_last_blocks);

@@ -311,6 +311,38 @@ pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory
     assert_eq!(dec.workers[0].take_metrics().failed_handshakes, 1);
 }
 
+/// The configured failure policy reaches the engine with each failed load, whichever it is.
+pub fn failure_policy_reaches_the_report<F: TransportFactory>(f: &F) {
+    use kvxfer_core::pull::FailurePolicy;
+    let model = Model::small(BlockOrder::Hnd, 4);
+    for policy in [FailurePolicy::Fail, FailurePolicy::Recompute] {
+        let tune = move |c: &mut PullConfig| {
+            c.handshake_timeout = std::time::Duration::from_millis(200);
+            c.failure_policy = policy;
+        };
+        let mut dec = engine("policy-D", &model, 1, false, clock(), &mk(f), &tune);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let params = kvxfer_core::wire::params::KvTransferParams {
+            do_remote_prefill: true,
+            remote_block_ids: Some(vec![1]),
+            remote_engine_id: Some("ghost".into()),
+            remote_host: Some("127.0.0.1".into()),
+            remote_port: Some(port),
+            ..Default::default()
+        };
+        dec.start_load("r", &params, &[5], 4);
+        let failed = first_failure(&mut dec);
+        assert_eq!(
+            (failed[0].policy, failed[0].invalid_blocks.clone()),
+            (policy, vec![5])
+        );
+    }
+}
+
 /// Starting a load and polling return while the handshake is still unanswered.
 pub fn loads_never_block_on_a_slow_handshake<F: TransportFactory>(f: &F) {
     // A side channel that answers only when the test says so (or after 10 s).
