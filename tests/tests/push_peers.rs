@@ -44,9 +44,12 @@ fn waiting_room(name: &str) -> (PrefillSide, DecodeSide) {
     (pre, dec)
 }
 
-fn settle(pre: &mut PrefillSide, dec: &mut DecodeSide) {
+/// Polls both sides a while, for notes to arrive and be handled.
+fn settle_all(pre: &mut PrefillSide, dec: &mut DecodeSide) {
     for _ in 0..50 {
-        pre.ranks[0].poll();
+        for p in &mut pre.ranks {
+            p.poll();
+        }
         dec.ranks[0].poll();
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -66,7 +69,7 @@ fn notes_from_agents_that_are_not_the_rooms_prefill_are_dropped() {
     ] {
         x.send_notification(peer, note.as_bytes()).expect("send");
     }
-    settle(&mut pre, &mut dec);
+    settle_all(&mut pre, &mut dec);
     assert_eq!(
         dec.ranks[0].status(1),
         Some(RoomStatus::WaitingForInput),
@@ -93,7 +96,7 @@ fn a_last_chunk_at_u32_max_neither_wraps_nor_completes() {
     x.send_notification(peer, b"1_kv_4294967295_1_0")
         .expect("send");
     x.send_notification(peer, b"1_aux").expect("send");
-    settle(&mut pre, &mut dec);
+    settle_all(&mut pre, &mut dec);
     assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Transferring));
 }
 
@@ -227,4 +230,57 @@ fn a_registered_buffer_that_wraps_is_refused() {
         assert!(start.elapsed() < Duration::from_secs(60), "room accepted");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A decode registers its buffers with a prefill rank once, not once per room.
+#[test]
+fn a_decode_registers_once_for_many_rooms() {
+    let (mut pre, mut dec) = waiting_room("pn5");
+    let port = pre.registry.port();
+    for room in 2..5u64 {
+        dec.ranks[0].add_room(room, ("127.0.0.1", port), vec![room as u32], None, vec![]);
+        pre.ranks[0].add_room(room, 1, None, vec![]);
+    }
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        (1..5).all(|r| pre.ranks[0].status(r) == Some(RoomStatus::WaitingForInput))
+    });
+    assert_eq!(pre.ranks[0].take_metrics().registrations, 1);
+}
+
+/// With two pipeline stages, a room is complete only when both wrote: stage 0 alone
+/// leaves it transferring.
+#[test]
+fn a_room_waits_for_every_pipeline_stage() {
+    let mut model = Model::small(BlockOrder::Hnd, 4);
+    model.layers = 2;
+    let mut s = Setup::new(model, 1, 1);
+    s.stages = vec![1, 1];
+    let c = clock();
+    let mut pre = prefill(&s, "pn6", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn6", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], Some(2), vec![]);
+    for p in &mut pre.ranks {
+        p.add_room(1, 1, Some(0), vec![]);
+    }
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks
+            .iter()
+            .all(|p| p.status(1) == Some(RoomStatus::WaitingForInput))
+    });
+    pre.ranks[0].send(1, &[3]).expect("stage 0 sends");
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::Success)
+    });
+    settle_all(&mut pre, &mut dec);
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Transferring));
+    pre.ranks[1].send(1, &[3]).expect("stage 1 sends");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    dec.mem[0]
+        .kv
+        .verify(&[(3, 5)])
+        .expect("both stages' layers");
 }

@@ -153,6 +153,8 @@ pub struct PushMetrics {
     pub plan_time: std::time::Duration,
     /// Rooms that failed.
     pub failed_rooms: u64,
+    /// Registrations received from decodes (each registers once per prefill instance).
+    pub registrations: u64,
     /// What the transport library measured itself (NIXL telemetry) of completed WRITEs.
     pub backend: crate::pull::BackendTelemetry,
 }
@@ -400,6 +402,7 @@ impl<T: Transport> PushPrefill<T> {
     fn on_message(&mut self, msg: ToPrefill) {
         match msg {
             ToPrefill::Register(args) => {
+                self.metrics.registrations += 1;
                 if let Err(e) = self.register_decode(args) {
                     self.refused += 1;
                     tracing::warn!(error = %e, "refused a decode registration");
