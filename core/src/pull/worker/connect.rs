@@ -1,0 +1,383 @@
+//! Connections to prefill engines: the handshake (on its own thread), compatibility checks
+//! and peer loading, and dropping a connection whose prefill died or restarted.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvxfer_layout::{
+    CacheSide, CacheSpec, LinkKind, Side, SideLayout, TpMapping, check_compatible,
+};
+
+use super::{Engine, Outcome, PullWorker, RemoteRank};
+use crate::pull::block_lists::{self, BlockLists};
+use crate::pull::scheduler::RecvRequest;
+use crate::sidechannel::fetch_metadata_for;
+use crate::transport::Transport;
+use crate::wire::handshake::{HandshakeMeta, PROTOCOL_VERSION};
+
+impl<T: Transport> PullWorker<T> {
+    pub(super) fn spawn_handshake(&mut self, req: &RecvRequest) {
+        let tx = self.outcomes.0.clone();
+        let (host, port, engine_id) = (req.host.clone(), req.port, req.engine_id.clone());
+        let reader = self.transport.name().to_string();
+        let (my_rank, my_tp, sharding) = (
+            self.config.tp_rank,
+            self.config.tp_size,
+            self.cache.sharding(),
+        );
+        let (timeout, limit) = (
+            self.config.handshake_timeout,
+            self.config.max_handshake_bytes,
+        );
+        let started = self.clock.now();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvxfer-handshake-{engine_id}"))
+            .spawn(move || {
+                let at = Remote {
+                    host: &host,
+                    port,
+                    reader: &reader,
+                };
+                let result = handshake(&at, my_rank, my_tp, sharding, timeout, limit);
+                let _ = tx.send(Outcome {
+                    engine_id,
+                    started,
+                    result,
+                });
+            });
+        match spawned {
+            Ok(t) => self.threads.push(t),
+            Err(e) => {
+                let _ = self.outcomes.0.send(Outcome {
+                    engine_id: req.engine_id.clone(),
+                    started,
+                    result: Err(format!("cannot start handshake thread: {e}")),
+                });
+            }
+        }
+    }
+    pub(super) fn on_handshake(&mut self, outcome: Outcome) {
+        let queued = self.queued.remove(&outcome.engine_id).unwrap_or_default();
+        let ready = outcome
+            .result
+            .and_then(|(remote_tp, metas)| self.connect(remote_tp, metas));
+        match ready {
+            Ok((mapping, ranks)) => {
+                self.metrics.handshakes += 1;
+                self.metrics.handshake_time += self.clock.now().saturating_sub(outcome.started);
+                tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), "connected to prefill engine");
+                self.note_instances(&outcome.engine_id, &ranks);
+                self.engines
+                    .insert(outcome.engine_id.clone(), Engine::Ready { mapping, ranks });
+                for req in queued {
+                    self.issue(req);
+                }
+            }
+            Err(reason) => {
+                self.metrics.failed_handshakes += 1;
+                // Forget the engine so a later request tries again.
+                self.engines.remove(&outcome.engine_id);
+                tracing::warn!(engine = %outcome.engine_id, %reason, "handshake failed");
+                for req in queued {
+                    self.fail(
+                        req,
+                        format!("handshake with {} failed: {reason}", outcome.engine_id),
+                    );
+                }
+            }
+        }
+    }
+    /// Checks compatibility and loads every remote rank into the transport.
+    pub(super) fn connect(
+        &mut self,
+        remote_tp: u32,
+        metas: Vec<(u32, HandshakeMeta)>,
+    ) -> Result<(TpMapping, HashMap<u32, RemoteRank>), String> {
+        let mapping = TpMapping::new(remote_tp, self.config.tp_size, self.cache.sharding())
+            .map_err(|e| e.to_string())?;
+        let mut ranks = HashMap::new();
+        for (rank, meta) in metas {
+            match self.remote_rank(&mapping, rank, &meta) {
+                Ok(r) => {
+                    ranks.insert(rank, r);
+                }
+                Err(e) => {
+                    for r in std::mem::take(&mut ranks).into_values() {
+                        self.forget_rank(&r);
+                    }
+                    return Err(format!("prefill rank {rank}: {e}"));
+                }
+            }
+        }
+        Ok((mapping, ranks))
+    }
+    pub(super) fn remote_rank(
+        &mut self,
+        mapping: &TpMapping,
+        rank: u32,
+        meta: &HandshakeMeta,
+    ) -> Result<RemoteRank, String> {
+        let own = &self.cache;
+        let mut problems = Vec::new();
+        if meta.attn_backend_name != self.config.backend_name {
+            problems.push(format!(
+                "attention backend: local {}, remote {}",
+                self.config.backend_name, meta.attn_backend_name
+            ));
+        }
+        let (spec, first_layer) = match &meta.kvxfer_layout {
+            Some(layout) => {
+                if meta.kvxfer_protocol != Some(PROTOCOL_VERSION) {
+                    problems.push(format!(
+                        "kvxfer protocol: local {PROTOCOL_VERSION}, remote {}",
+                        meta.kvxfer_protocol
+                            .map_or_else(|| "none".to_string(), |v| v.to_string())
+                    ));
+                }
+                let spec = layout.to_spec().map_err(|e| e.to_string())?;
+                let local = SideLayout {
+                    spec: &own.spec,
+                    tp_size: self.config.tp_size,
+                    total_kv_heads: own.total_kv_heads,
+                    total_layers: own.total_layers,
+                };
+                let remote = SideLayout {
+                    spec: &spec,
+                    tp_size: mapping.prefill_tp(),
+                    total_kv_heads: layout.total_kv_heads,
+                    total_layers: layout.total_layers,
+                };
+                if let Err(mismatches) = check_compatible(&local, &remote) {
+                    problems.extend(mismatches.iter().map(ToString::to_string));
+                }
+                (spec, layout.first_layer)
+            }
+            None => {
+                // A reference peer: derive its spec from ours and check its block length.
+                let heads = mapping
+                    .heads_of(Side::Prefill, rank)
+                    .map_err(|e| e.to_string())?
+                    .count;
+                let mut params = *own.spec.params();
+                params.kv_heads = heads;
+                params.num_blocks = u32::try_from(meta.num_blocks)
+                    .map_err(|_| "num_blocks exceeds u32".to_string())?;
+                let spec = CacheSpec::new(params).map_err(|e| e.to_string())?;
+                if spec.block_len() != meta.block_len {
+                    problems.push(format!(
+                        "block_len: local layout with {heads} heads per rank expects {}, remote {}",
+                        spec.block_len(),
+                        meta.block_len
+                    ));
+                }
+                (spec, 0)
+            }
+        };
+        if spec.num_regions() as usize != meta.kv_caches_base_addr.len() {
+            return Err(format!(
+                "{} regions expected, {} base addresses sent",
+                spec.num_regions(),
+                meta.kv_caches_base_addr.len()
+            ));
+        }
+        if !problems.is_empty() {
+            if self.config.enforce_compat {
+                return Err(format!("incompatible KV layout: {}", problems.join("; ")));
+            }
+            tracing::warn!(rank, problems = %problems.join("; "), "incompatible KV layout (enforcement disabled)");
+        }
+        CacheSide::new(&spec, &meta.kv_caches_base_addr, first_layer).map_err(|e| e.to_string())?;
+        let peer = self
+            .transport
+            .load_peer(&meta.agent_metadata)
+            .map_err(|e| e.to_string())?;
+        let mut remote = RemoteRank {
+            peer,
+            spec,
+            bases: meta.kv_caches_base_addr.clone(),
+            first_layer,
+            lease_aware: meta.kvxfer_lease_ms.is_some(),
+            lists: None,
+            instance: meta.kvxfer_instance,
+        };
+        remote.lists = self.block_lists(mapping, rank, &remote);
+        Ok(remote)
+    }
+    /// Prepares per-block lists for the link with prefill rank `rank`, when the transport
+    /// builds requests faster from them and the link carries data; `None` keeps raw posts.
+    pub(super) fn block_lists(
+        &mut self,
+        mapping: &TpMapping,
+        rank: u32,
+        remote: &RemoteRank,
+    ) -> Option<BlockLists> {
+        if !self.config.prepared_lists
+            || !self.transport.prefers_prepared_lists()
+            || self.cache.layer_windows.is_some()
+        {
+            return None;
+        }
+        let slice = mapping
+            .links_for_decode(self.config.tp_rank)
+            .ok()?
+            .into_iter()
+            .find_map(|l| match l.kind {
+                LinkKind::Data(slice) if l.prefill_rank == rank => Some(slice),
+                _ => None,
+            })?;
+        let side = CacheSide::new(&remote.spec, &remote.bases, remote.first_layer).ok()?;
+        let own =
+            CacheSide::new(&self.cache.spec, &self.cache.bases, self.cache.first_layer).ok()?;
+        match block_lists::prepare(
+            &mut self.transport,
+            remote.peer,
+            self.cache.memory,
+            &side,
+            &own,
+            slice,
+        ) {
+            Ok(lists) => Some(lists),
+            Err(reason) => {
+                tracing::info!(rank, %reason, "per-block lists not prepared; posting raw plans");
+                None
+            }
+        }
+    }
+    /// Releases what was set up for a remote rank.
+    pub(super) fn forget_rank(&mut self, r: &RemoteRank) {
+        if let Some(l) = r.lists {
+            let _ = self.transport.release_list(l.local);
+            let _ = self.transport.release_list(l.remote);
+        }
+        let _ = self.transport.remove_peer(r.peer);
+    }
+    /// Drops the cached connections whose peers the transport knows failed, for engines
+    /// this worker is loading from (their loads then fail now instead of at a timeout).
+    pub(super) fn check_loading_peers(&mut self) {
+        let mut engines: Vec<String> = self
+            .loads
+            .values()
+            .map(|l| l.req.engine_id.clone())
+            .collect();
+        engines.sort_unstable();
+        engines.dedup();
+        for e in engines {
+            self.drop_if_peer_failed(&e);
+        }
+    }
+    /// Drops the cached connection to `engine_id` when the transport knows one of its ranks
+    /// failed (a dead or restarted prefill): the next load handshakes again instead of
+    /// posting to the old instance.
+    pub(super) fn drop_if_peer_failed(&mut self, engine_id: &str) {
+        let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
+            return;
+        };
+        let failed = ranks
+            .iter()
+            .find(|(_, r)| self.transport.peer_failed(r.peer))
+            .map(|(rank, _)| *rank);
+        if let Some(rank) = failed {
+            self.lose_engine(engine_id, &format!("prefill rank {rank} is unreachable"));
+        }
+    }
+    /// Forgets the connection to `engine_id` after a failure: its loads still in flight
+    /// (all posted on this connection: a new one is made only after the old one is lost)
+    /// are cancelled and reported failed with their blocks, its peers and lists released,
+    /// and the next load handshakes again. Nothing happens unless it is connected.
+    pub(super) fn lose_engine(&mut self, engine_id: &str, reason: &str) {
+        if !matches!(self.engines.get(engine_id), Some(Engine::Ready { .. })) {
+            return;
+        }
+        let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
+            return;
+        };
+        self.metrics.lost_connections += 1;
+        tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
+        let doomed: Vec<String> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.req.engine_id == engine_id)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in doomed {
+            if let Some(load) = self.loads.remove(&id) {
+                // Cancel before reporting: nothing may land in the blocks after the engine
+                // hears they are invalid. Release is bounded by the transport.
+                for (x, _) in load.xfers {
+                    let _ = self.transport.release(x);
+                }
+                let why = load
+                    .failed
+                    .unwrap_or_else(|| format!("connection to {engine_id} lost: {reason}"));
+                self.fail(load.req, format!("transfer failed: {why}"));
+            }
+        }
+        for r in ranks.into_values() {
+            self.forget_rank(&r);
+        }
+    }
+    /// Records the instance each rank named; a new one under a known (engine, rank) is a
+    /// restart, counted and logged.
+    pub(super) fn note_instances(&mut self, engine_id: &str, ranks: &HashMap<u32, RemoteRank>) {
+        for (&rank, r) in ranks {
+            let Some(instance) = r.instance else {
+                continue;
+            };
+            let key = (engine_id.to_string(), rank);
+            if let Some(old) = self.instances.insert(key, instance) {
+                if old != instance {
+                    self.metrics.peer_restarts += 1;
+                    tracing::info!(engine = %engine_id, rank, "prefill engine restarted (new instance): connected to the new one");
+                }
+            }
+        }
+    }
+}
+
+/// A prefill's side channel, and the agent that asks it (named in each request, so the
+/// prefill accepts its notes).
+struct Remote<'a> {
+    host: &'a str,
+    port: u16,
+    reader: &'a str,
+}
+
+/// Fetches rank 0 (to learn the prefill's TP), then every prefill rank this decode rank
+/// links with. Runs on a handshake thread.
+fn handshake(
+    at: &Remote<'_>,
+    my_rank: u32,
+    my_tp: u32,
+    sharding: kvxfer_layout::HeadSharding,
+    timeout: Duration,
+    limit: usize,
+) -> Result<(u32, Vec<(u32, HandshakeMeta)>), String> {
+    let (host, port) = (at.host, at.port);
+    let first =
+        fetch_metadata_for(host, port, 0, at.reader, timeout, limit).map_err(|e| e.to_string())?;
+    let remote_tp =
+        u32::try_from(first.tp_size).map_err(|_| "remote tp_size exceeds u32".to_string())?;
+    let mapping = TpMapping::new(remote_tp, my_tp, sharding).map_err(|e| e.to_string())?;
+    let mut ranks: Vec<u32> = mapping
+        .links_for_decode(my_rank)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|l| l.prefill_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut metas = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        if r == 0 {
+            metas.push((0, first.clone()));
+            continue;
+        }
+        let p = u16::try_from(u32::from(port) + r)
+            .map_err(|_| format!("port of prefill rank {r} exceeds 65535"))?;
+        metas.push((
+            r,
+            fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?,
+        ));
+    }
+    Ok((remote_tp, metas))
+}

@@ -1,0 +1,272 @@
+//! Decode-side loads: posting each request's READs (coalesced plans or prepared-list
+//! indices), polling them to completion or failure, and heartbeats for the prefill's leases.
+
+use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
+
+use super::{Engine, FailedLoad, Load, PullWorker};
+use crate::plan::split_for;
+use crate::pull::block_lists;
+use crate::pull::notify;
+use crate::pull::scheduler::RecvRequest;
+use crate::transport::{Op, Transport, XferId, XferStatus};
+
+impl<T: Transport> PullWorker<T> {
+    pub(super) fn issue(&mut self, req: RecvRequest) {
+        let start = self.clock.now();
+        match self.post_reads(&req) {
+            Ok(xfers) => {
+                self.metrics.post_time += self.clock.now().saturating_sub(start);
+                if xfers.is_empty() {
+                    self.finished.recving.push(req.req_id.clone());
+                } else {
+                    let posted = self.clock.now();
+                    let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
+                    self.loads.insert(
+                        req.req_id.clone(),
+                        Load {
+                            req,
+                            xfers,
+                            failed: None,
+                        },
+                    );
+                }
+            }
+            Err((reason, posted)) => {
+                self.metrics.failed_setups += 1;
+                self.orphans.extend(posted);
+                let engine_id = req.engine_id.clone();
+                self.fail(req, reason);
+                self.drop_if_peer_failed(&engine_id);
+            }
+        }
+    }
+    /// Posts one READ per data link (and notifications for the rest); on error returns
+    /// the reason and the transfers already posted (to be released once they end).
+    pub(super) fn post_reads(
+        &mut self,
+        req: &RecvRequest,
+    ) -> Result<Vec<XferId>, (String, Vec<XferId>)> {
+        let Some(Engine::Ready { mapping, ranks, .. }) = self.engines.get(&req.engine_id) else {
+            return Err((
+                format!("engine {} is not connected", req.engine_id),
+                Vec::new(),
+            ));
+        };
+        let local = &req.local_block_ids;
+        if local.len() > req.remote_block_ids.len() {
+            let reason = format!(
+                "{} local blocks but the prefill holds only {}",
+                local.len(),
+                req.remote_block_ids.len()
+            );
+            return Err((reason, Vec::new()));
+        }
+        let remote = &req.remote_block_ids[req.remote_block_ids.len() - local.len()..];
+        let links = mapping
+            .links_for_decode(self.config.tp_rank)
+            .map_err(|e| (e.to_string(), Vec::new()))?;
+        let own = CacheSide::new(&self.cache.spec, &self.cache.bases, self.cache.first_layer)
+            .map_err(|e| (e.to_string(), Vec::new()))?;
+        let mut posted = Vec::new();
+        for link in links {
+            let readers = mapping
+                .notifications_per_request(link.prefill_rank)
+                .unwrap_or(1);
+            let note = notify::read_done(&req.remote_req_id, readers);
+            let Some(rank) = ranks.get(&link.prefill_rank) else {
+                return Err((
+                    format!("prefill rank {} was not connected", link.prefill_rank),
+                    posted,
+                ));
+            };
+            let indexed = rank
+                .lists
+                .filter(|_| !local.is_empty() && block_lists::fragmented(remote, local));
+            match (link.kind, indexed) {
+                (LinkKind::Data(_), Some(lists)) => {
+                    let planning = self.clock.now();
+                    lists
+                        .indices(remote, local, &mut self.indices.0, &mut self.indices.1)
+                        .map_err(|e| (e, posted.clone()))?;
+                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
+                    let x = self
+                        .transport
+                        .post_indexed(
+                            Op::Read,
+                            lists.local,
+                            &self.indices.0,
+                            lists.remote,
+                            &self.indices.1,
+                            Some(&note),
+                        )
+                        .map_err(|e| (e.to_string(), posted.clone()))?;
+                    posted.push(x);
+                    let pairs = local.len() as u64;
+                    self.metrics.transfers += 1;
+                    self.metrics.indexed_transfers += 1;
+                    self.metrics.bytes += pairs * lists.bytes_per_block;
+                    self.metrics.descriptors_raw += pairs * lists.raw_per_block;
+                    self.metrics.descriptors_posted += self.indices.0.len() as u64;
+                }
+                (LinkKind::Data(slice), None) if !local.is_empty() => {
+                    let side = CacheSide::new(&rank.spec, &rank.bases, rank.first_layer)
+                        .map_err(|e| (e.to_string(), posted.clone()))?;
+                    let pairs = BlockPairs {
+                        src: remote,
+                        dst: local,
+                        windows: self.cache.layer_windows.as_deref(),
+                    };
+                    let planning = self.clock.now();
+                    plan_transfer_into(
+                        &side,
+                        &own,
+                        slice,
+                        &pairs,
+                        PlanOptions::default(),
+                        &mut self.plan,
+                    )
+                    .map_err(|e| (e.to_string(), posted.clone()))?;
+                    split_for(
+                        Op::Read,
+                        self.plan.iter(),
+                        &mut self.ranges.0,
+                        &mut self.ranges.1,
+                    );
+                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
+                    let kinds = (self.cache.memory, self.cache.memory);
+                    let x = self
+                        .transport
+                        .post(
+                            Op::Read,
+                            rank.peer,
+                            kinds,
+                            &self.ranges.0,
+                            &self.ranges.1,
+                            Some(&note),
+                        )
+                        .map_err(|e| (e.to_string(), posted.clone()))?;
+                    posted.push(x);
+                    self.metrics.transfers += 1;
+                    self.metrics.bytes += self.plan.total_bytes;
+                    self.metrics.descriptors_raw += self.plan.raw_count;
+                    self.metrics.descriptors_posted += self.plan.len() as u64;
+                }
+                _ => {
+                    if let Err(e) = self.transport.send_notification(rank.peer, &note) {
+                        self.metrics.failed_notifications += 1;
+                        return Err((
+                            format!("notifying prefill rank {}: {e}", link.prefill_rank),
+                            posted,
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(posted)
+    }
+    pub(super) fn fail(&mut self, req: RecvRequest, reason: String) {
+        self.finished.recving.push(req.req_id.clone());
+        self.finished.failed.push(FailedLoad {
+            req_id: req.req_id,
+            invalid_blocks: req.local_block_ids,
+            reason,
+            policy: self.config.failure_policy,
+        });
+    }
+    pub(super) fn poll_loads(&mut self) {
+        let now = self.clock.now();
+        let mut ended = Vec::new();
+        let mut lost: Vec<(String, String)> = Vec::new();
+        for (id, load) in &mut self.loads {
+            let had_failed = load.failed.is_some();
+            let mut still = Vec::with_capacity(load.xfers.len());
+            for &(x, posted) in &load.xfers {
+                match self.transport.status(x) {
+                    Ok(XferStatus::InProgress)
+                        if now.saturating_sub(posted) > self.config.transfer_timeout =>
+                    {
+                        // Cancel before reporting: nothing may land in the blocks after the
+                        // engine hears they are invalid. Release is bounded by the transport.
+                        self.metrics.failed_transfers += 1;
+                        load.failed.get_or_insert(format!(
+                            "no completion within {:?}",
+                            self.config.transfer_timeout
+                        ));
+                        let _ = self.transport.release(x);
+                    }
+                    Ok(XferStatus::InProgress) => still.push((x, posted)),
+                    Ok(XferStatus::Done) => {
+                        self.metrics.transfer_time += now.saturating_sub(posted);
+                        if let Some(t) = self.transport.telemetry(x) {
+                            self.metrics.backend.add(&t);
+                        }
+                        let _ = self.transport.release(x);
+                    }
+                    Ok(XferStatus::Failed(reason)) => {
+                        self.metrics.failed_transfers += 1;
+                        load.failed.get_or_insert(reason);
+                        let _ = self.transport.release(x);
+                    }
+                    Err(e) => {
+                        self.metrics.failed_transfers += 1;
+                        load.failed.get_or_insert(e.to_string());
+                    }
+                }
+            }
+            load.xfers = still;
+            if let (false, Some(reason)) = (had_failed, &load.failed) {
+                lost.push((load.req.engine_id.clone(), reason.clone()));
+            }
+            // Report only when nothing writes into the blocks any more.
+            if load.xfers.is_empty() {
+                ended.push(id.clone());
+            }
+        }
+        for id in ended {
+            if let Some(load) = self.loads.remove(&id) {
+                match load.failed {
+                    None => self.finished.recving.push(id),
+                    Some(reason) => self.fail(load.req, format!("transfer failed: {reason}")),
+                }
+            }
+        }
+        // A failed transfer means the prefill died, restarted or became unreachable: its
+        // cached connection is not trusted again.
+        for (engine_id, reason) in lost {
+            self.lose_engine(&engine_id, &reason);
+        }
+    }
+    pub(super) fn send_heartbeats(&mut self) {
+        let now = self.clock.now();
+        if now.saturating_sub(self.last_heartbeat) < self.config.heartbeat_interval {
+            return;
+        }
+        self.last_heartbeat = now;
+        for load in self.loads.values() {
+            let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+                continue;
+            };
+            for rank in ranks.values().filter(|r| r.lease_aware) {
+                if self
+                    .transport
+                    .send_notification(rank.peer, &notify::heartbeat(&load.req.remote_req_id))
+                    .is_err()
+                {
+                    self.metrics.failed_notifications += 1;
+                }
+            }
+        }
+    }
+    pub(super) fn release_orphans(&mut self) {
+        let mut keep = Vec::new();
+        for x in std::mem::take(&mut self.orphans) {
+            match self.transport.status(x) {
+                Ok(XferStatus::InProgress) => keep.push(x),
+                _ => {
+                    let _ = self.transport.release(x);
+                }
+            }
+        }
+        self.orphans = keep;
+    }
+}

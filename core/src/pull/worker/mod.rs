@@ -1,0 +1,392 @@
+//! The worker half of the pull connector: registers the engine's KV cache, serves its
+//! metadata, starts loads without ever blocking the caller, and reports each step which
+//! sends and receives finished and which loads failed.
+//!
+//! Decode side: a load for a prefill engine not yet known starts a handshake on its own
+//! thread and waits in a queue; when the handshake resolves the queue is issued (or failed).
+//! Each data link of the TP mapping becomes one coalesced READ whose notification tells the
+//! prefill rank how many readers to wait for; notify-only links just send the notification.
+//! Prefill side: held requests are freed when all readers notified or their lease expired.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvxfer_layout::{CacheSide, CacheSpec, LayoutError, TpMapping, TransferPlan};
+
+use super::block_lists::BlockLists;
+use super::config::{FailurePolicy, KvCache, PullConfig};
+use super::metrics::PullMetrics;
+use super::scheduler::{RecvRequest, StepMeta};
+use crate::clock::Clock;
+use crate::sidechannel::{KnownReaders, Listener, side_channel_port};
+use crate::transport::{AddrRange, PeerId, Registration, Transport, TransportError, XferId};
+use crate::wire::handshake::{HandshakeMeta, LayoutWire, PROTOCOL_VERSION};
+
+/// Errors setting a worker up.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// The transport refused.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The cache layout is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The side channel could not start.
+    #[error("side channel: {0}")]
+    SideChannel(String),
+}
+
+/// A load in the step metadata that was not started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadRefused {
+    /// A load of this request id is already in flight (loading, waiting for its
+    /// handshake, or ended and not yet reported): the first one continues untouched.
+    #[error("a load of request {0} is already in flight")]
+    AlreadyInFlight(String),
+}
+
+/// A load that could not complete: its local blocks hold no valid data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedLoad {
+    /// Request id.
+    pub req_id: String,
+    /// Local blocks whose content is invalid.
+    pub invalid_blocks: Vec<u32>,
+    /// Why.
+    pub reason: String,
+    /// What the engine should do.
+    pub policy: FailurePolicy,
+}
+
+/// What finished since the last step. Failed loads also appear in `recving`: the request
+/// is finished, and `failed` says which of its blocks are invalid.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// Prefill side: requests whose blocks may be freed.
+    pub sending: Vec<String>,
+    /// Decode side: requests whose load ended.
+    pub recving: Vec<String>,
+    /// Decode side: loads that failed.
+    pub failed: Vec<FailedLoad>,
+}
+
+impl Finished {
+    /// Nothing finished.
+    pub fn is_empty(&self) -> bool {
+        self.sending.is_empty() && self.recving.is_empty() && self.failed.is_empty()
+    }
+}
+
+/// How often [`PullWorker::wait_finished`] polls while it waits.
+pub const IDLE_POLL: Duration = Duration::from_micros(500);
+
+struct RemoteRank {
+    peer: PeerId,
+    spec: CacheSpec,
+    bases: Vec<u64>,
+    first_layer: u32,
+    /// A kvxfer peer that understands heartbeats.
+    lease_aware: bool,
+    /// Per-block prepared lists, where the transport prefers indexed posts.
+    lists: Option<BlockLists>,
+    /// The worker instance the handshake named (kvxfer peers).
+    instance: Option<u64>,
+}
+
+enum Engine {
+    Handshaking,
+    Ready {
+        mapping: TpMapping,
+        ranks: HashMap<u32, RemoteRank>,
+    },
+}
+
+struct Outcome {
+    engine_id: String,
+    started: Duration,
+    result: Result<(u32, Vec<(u32, HandshakeMeta)>), String>,
+}
+
+struct Load {
+    req: RecvRequest,
+    xfers: Vec<(XferId, Duration)>,
+    failed: Option<String>,
+}
+
+/// One TP rank's worker.
+pub struct PullWorker<T: Transport> {
+    transport: T,
+    config: PullConfig,
+    cache: KvCache,
+    clock: Arc<dyn Clock>,
+    registrations: Vec<Registration>,
+    listener: Option<Listener>,
+    /// Decode agents that fetched this rank's metadata: the only senders of notes counted.
+    readers: Arc<KnownReaders>,
+    engines: HashMap<String, Engine>,
+    /// The last instance each (engine, rank) named in a handshake.
+    instances: HashMap<(String, u32), u64>,
+    queued: HashMap<String, Vec<RecvRequest>>,
+    loads: HashMap<String, Load>,
+    orphans: Vec<XferId>,
+    held: HashMap<String, Held>,
+    early: HashMap<String, Held>,
+    outcomes: (Sender<Outcome>, Receiver<Outcome>),
+    threads: Vec<JoinHandle<()>>,
+    finished: Finished,
+    last_heartbeat: Duration,
+    metrics: PullMetrics,
+    unknown_notifications: u64,
+    shut_down: bool,
+    plan: TransferPlan,
+    ranges: (Vec<AddrRange>, Vec<AddrRange>),
+    indices: (Vec<u32>, Vec<u32>),
+}
+
+mod connect;
+mod holds;
+mod loads;
+
+use holds::Held;
+
+impl<T: Transport> PullWorker<T> {
+    /// Registers `cache` with `transport` and starts this rank's side-channel listener.
+    pub fn new(
+        mut transport: T,
+        config: PullConfig,
+        cache: KvCache,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, PullError> {
+        CacheSide::new(&cache.spec, &cache.bases, cache.first_layer)?;
+        let registrations = register_spans(&mut transport, &cache)?;
+        let layout = LayoutWire::from_spec(
+            &cache.spec,
+            cache.total_kv_heads,
+            cache.total_layers,
+            cache.first_layer,
+        );
+        let meta = HandshakeMeta {
+            engine_id: config.engine_id.clone(),
+            agent_metadata: transport.metadata()?,
+            kv_caches_base_addr: cache.bases.clone(),
+            num_blocks: cache.spec.num_blocks().into(),
+            tp_size: config.tp_size.into(),
+            block_len: cache.spec.block_len(),
+            attn_backend_name: config.backend_name.clone(),
+            kvxfer_protocol: Some(PROTOCOL_VERSION),
+            kvxfer_tp_rank: Some(config.tp_rank),
+            kvxfer_layout: Some(layout),
+            kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
+            kvxfer_instance: Some(rand::random()),
+        };
+        let port = if config.side_channel_port == 0 {
+            0
+        } else {
+            side_channel_port(
+                config.side_channel_port,
+                config.dp_rank_local,
+                config.tp_size,
+                config.tp_rank,
+            )
+            .ok_or_else(|| PullError::SideChannel("listener port exceeds 65535".into()))?
+        };
+        let listener = Listener::bind(
+            &config.side_channel_host,
+            port,
+            config.tp_rank,
+            meta.encode(),
+        )
+        .map_err(PullError::SideChannel)?;
+        let now = clock.now();
+        let readers = listener.readers();
+        Ok(PullWorker {
+            transport,
+            config,
+            cache,
+            clock,
+            registrations,
+            listener: Some(listener),
+            readers,
+            engines: HashMap::new(),
+            instances: HashMap::new(),
+            queued: HashMap::new(),
+            loads: HashMap::new(),
+            orphans: Vec::new(),
+            held: HashMap::new(),
+            early: HashMap::new(),
+            outcomes: unbounded(),
+            threads: Vec::new(),
+            finished: Finished::default(),
+            last_heartbeat: now,
+            metrics: PullMetrics::default(),
+            unknown_notifications: 0,
+            shut_down: false,
+            plan: TransferPlan::default(),
+            ranges: (Vec::new(), Vec::new()),
+            indices: (Vec::new(), Vec::new()),
+        })
+    }
+    /// The port this rank's listener is bound to.
+    pub fn listener_port(&self) -> Option<u16> {
+        self.listener.as_ref().map(Listener::port)
+    }
+    /// The transport (for inspection).
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+    /// The transport, mutably (tests use it to inject faults).
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+    /// Notifications that were not kvxfer pull messages (dropped and counted).
+    pub fn unknown_notifications(&self) -> u64 {
+        self.unknown_notifications
+    }
+    /// Metrics since the last call (reset on read).
+    pub fn take_metrics(&mut self) -> PullMetrics {
+        std::mem::take(&mut self.metrics)
+    }
+    /// Starts this step's loads and holds (never blocks: handshakes run on their own
+    /// threads); returns the loads it refused (each counted in
+    /// [`PullMetrics::refused_loads`]), which the engine should log: the step's other loads
+    /// are started regardless.
+    pub fn start_load_kv(&mut self, meta: &StepMeta) -> Vec<LoadRefused> {
+        let mut refused = Vec::new();
+        if self.shut_down {
+            return refused;
+        }
+        self.start_holds(&meta.hold);
+        for req in &meta.recv {
+            if self.in_flight(&req.req_id) {
+                self.metrics.refused_loads += 1;
+                refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
+                continue;
+            }
+            self.drop_if_peer_failed(&req.engine_id);
+            match self.engines.get(&req.engine_id) {
+                Some(Engine::Ready { .. }) => self.issue(req.clone()),
+                Some(Engine::Handshaking) => self
+                    .queued
+                    .entry(req.engine_id.clone())
+                    .or_default()
+                    .push(req.clone()),
+                None => {
+                    self.engines
+                        .insert(req.engine_id.clone(), Engine::Handshaking);
+                    self.queued
+                        .entry(req.engine_id.clone())
+                        .or_default()
+                        .push(req.clone());
+                    self.spawn_handshake(req);
+                }
+            }
+        }
+        refused
+    }
+    /// Whether a load of `req_id` started and the engine has not yet been told it ended.
+    fn in_flight(&self, req_id: &str) -> bool {
+        self.loads.contains_key(req_id)
+            || self.queued.values().flatten().any(|r| r.req_id == req_id)
+            || self.finished.recving.iter().any(|r| r == req_id)
+    }
+    /// Progresses everything and reports what finished since the last call.
+    pub fn get_finished(&mut self) -> Finished {
+        if !self.shut_down {
+            while let Ok(outcome) = self.outcomes.1.try_recv() {
+                self.on_handshake(outcome);
+            }
+            self.poll_loads();
+            self.check_loading_peers();
+            self.poll_notifications();
+            self.expire_leases();
+            self.send_heartbeats();
+            self.release_orphans();
+        }
+        std::mem::take(&mut self.finished)
+    }
+    /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
+    /// while nothing finished and loads or holds are outstanding. For an engine step that
+    /// scheduled nothing: the engine has no work but polling this worker, and stepping
+    /// back-to-back would take the CPU the transfers need (on a CPU engine, most of it).
+    pub fn wait_finished(&mut self, wait: Duration) -> Finished {
+        let rounds = wait.as_nanos().div_ceil(IDLE_POLL.as_nanos());
+        let mut f = self.get_finished();
+        for _ in 0..rounds {
+            if !f.is_empty() || !self.outstanding() {
+                break;
+            }
+            std::thread::sleep(IDLE_POLL);
+            f = self.get_finished();
+        }
+        f
+    }
+    /// Loads or holds this worker still waits for.
+    fn outstanding(&self) -> bool {
+        !self.shut_down
+            && (!self.loads.is_empty()
+                || self.queued.values().any(|q| !q.is_empty())
+                || !self.held.is_empty())
+    }
+    /// Releases every transfer, peer, listener and registration. Idempotent.
+    pub fn shutdown(&mut self) {
+        if self.shut_down {
+            return;
+        }
+        self.shut_down = true;
+        for load in std::mem::take(&mut self.loads).into_values() {
+            for (x, _) in load.xfers {
+                let _ = self.transport.release(x);
+            }
+        }
+        for x in std::mem::take(&mut self.orphans) {
+            let _ = self.transport.release(x);
+        }
+        for engine in std::mem::take(&mut self.engines).into_values() {
+            if let Engine::Ready { ranks, .. } = engine {
+                for r in ranks.into_values() {
+                    self.forget_rank(&r);
+                }
+            }
+        }
+        self.listener.take();
+        // Handshake threads end within their timeouts.
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.registrations.clear();
+        self.queued.clear();
+        self.held.clear();
+        self.early.clear();
+    }
+}
+
+impl<T: Transport> Drop for PullWorker<T> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Registers the cache's regions, merging regions adjacent in memory into one registration
+/// so that coalesced descriptors spanning them stay inside one registered range.
+fn register_spans<T: Transport>(
+    t: &mut T,
+    cache: &KvCache,
+) -> Result<Vec<Registration>, PullError> {
+    let mut bases = cache.bases.clone();
+    bases.sort_unstable();
+    let len = cache.spec.region_len();
+    let mut spans: Vec<AddrRange> = Vec::new();
+    for b in bases {
+        match spans.last_mut() {
+            Some(s) if s.addr + s.len == b => s.len += len,
+            _ => spans.push(AddrRange::new(b, len)),
+        }
+    }
+    spans
+        .into_iter()
+        .map(|s| t.register(cache.memory, s).map_err(PullError::from))
+        .collect()
+}
