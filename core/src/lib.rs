@@ -11,6 +11,7 @@ pub mod plan;
 pub mod pull;
 pub mod push;
 pub mod sidechannel;
+mod tally;
 pub mod transport;
 pub mod wire;
 

@@ -15,6 +15,8 @@
 //! RDMA: 8192 → 6100 descriptors was 4.7 vs 4.4 GB/s for 0.5 ms more build time per
 //! request, `kvxfer bench --transport nixl [--raw-posts]`). [`fragmented`] decides.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_layout::{
     BlockPairs, CacheSide, HeadSlice, PlanOptions, TransferPlan, plan_transfer_into,
 };
@@ -118,10 +120,11 @@ pub fn prepare<T: Transport>(
     let (nl, nr) = (own.spec().num_blocks(), remote.spec().num_blocks());
     let local = side_ranges(remote, own, slice, true, &mut pattern)?;
     let per_block = pattern.as_ref().map_or(0, |p| p.lens.len() as u64);
-    if per_block == 0 || (u64::from(nl) + u64::from(nr)) * per_block > MAX_PREPARED {
+    let blocks = u64::from(nl).saturating_add(u64::from(nr));
+    let total = blocks.saturating_mul(per_block);
+    if per_block == 0 || total > MAX_PREPARED {
         return Err(format!(
-            "{per_block} descriptors per block over {} blocks: not prepared",
-            nl + nr
+            "{per_block} descriptors per block over {blocks} blocks: not prepared"
         ));
     }
     let remote_ranges = side_ranges(remote, own, slice, false, &mut pattern)?;
@@ -168,8 +171,9 @@ impl BlockLists {
                     self.blocks.1, self.blocks.0
                 ));
             }
-            remote_idx.extend((0..k).map(|j| s * k + j));
-            local_idx.extend((0..k).map(|j| d * k + j));
+            // In range: blocks × k ≤ MAX_PREPARED was checked when the lists were made.
+            remote_idx.extend((0..k).map(|j| s.saturating_mul(k).saturating_add(j)));
+            local_idx.extend((0..k).map(|j| d.saturating_mul(k).saturating_add(j)));
         }
         Ok(())
     }
@@ -178,12 +182,13 @@ impl BlockLists {
 /// True when coalescing would save less than a tenth of a request's descriptors (block
 /// pairs contiguous on both sides are what merges): indexed posts are then the cheaper way.
 pub fn fragmented(src: &[u32], dst: &[u32]) -> bool {
-    let runs = 1 + src
+    let changes = src
         .windows(2)
         .zip(dst.windows(2))
         .filter(|(s, d)| !(s[1] == s[0].wrapping_add(1) && d[1] == d[0].wrapping_add(1)))
         .count();
-    runs * 10 > src.len() * 9
+    let runs = changes.saturating_add(1);
+    runs.saturating_mul(10) > src.len().saturating_mul(9)
 }
 
 #[cfg(test)]

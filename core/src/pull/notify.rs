@@ -1,5 +1,7 @@
 //! Notification messages between decode and prefill workers.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 /// Prefix of lease heartbeats (kvxfer peers only; reference peers never receive them).
 pub const HEARTBEAT_PREFIX: &str = "kvxfer-hb:";
 

@@ -1,5 +1,7 @@
 //! What a push-mode rank registers: its KV cache, aux buffers and state buffers.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use super::messages::BufferWire;
 use crate::pull::KvCache;
 use crate::transport::{AddrRange, MemoryKind, Registration, Transport, TransportResult};
@@ -38,7 +40,7 @@ impl PushBuffers {
         let mut out: Vec<(MemoryKind, u64, u64)> = Vec::new();
         for b in bases {
             match out.last_mut() {
-                Some((_, a, l)) if *a + *l == b => *l += len,
+                Some((_, a, l)) if a.checked_add(*l) == Some(b) => *l = l.saturating_add(len),
                 _ => out.push((self.kv.memory, b, len)),
             }
         }

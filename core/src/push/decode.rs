@@ -4,6 +4,8 @@
 //! to complete their status), and tracks chunk, aux and state notifications until the room
 //! is complete. All side-channel traffic runs on a control thread; `poll` never blocks.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -21,6 +23,7 @@ use super::registry::ask_registry;
 use super::status::RoomStatus;
 use crate::clock::Clock;
 use crate::sidechannel::request_bytes;
+use crate::tally::Tally;
 use crate::transport::{Registration, Transport};
 use crate::wire::handshake::LayoutWire;
 
@@ -405,7 +408,7 @@ impl<T: Transport> PushDecode<T> {
                     p.failures = 0;
                     return;
                 }
-                p.failures += 1;
+                p.failures.tally(1);
                 if p.failures >= max {
                     tracing::warn!(host = %addr.0, port = addr.1, "prefill unreachable: failing its rooms");
                     self.prefills.remove(&addr);
@@ -422,7 +425,7 @@ impl<T: Transport> PushDecode<T> {
 
     fn on_note(&mut self, from: &str, message: &[u8]) {
         let Some(note) = messages::parse_note(message) else {
-            self.unknown_notifications += 1;
+            self.unknown_notifications.tally(1);
             return;
         };
         let room_id = match note {
@@ -432,12 +435,12 @@ impl<T: Transport> PushDecode<T> {
             | PushNote::Abort { room } => room,
         };
         let Some(r) = self.rooms.get_mut(&room_id) else {
-            self.unknown_notifications += 1;
+            self.unknown_notifications.tally(1);
             return;
         };
         if !r.may_write(from) {
             // Not one of the room's prefill ranks: it can neither complete nor fail it.
-            self.unknown_notifications += 1;
+            self.unknown_notifications.tally(1);
             return;
         }
         match note {
@@ -612,11 +615,13 @@ impl Control {
         known: Option<(u64, HashSet<(u32, u32)>)>,
     ) -> Result<Bootstrapped, String> {
         let t = self.config.request_timeout;
-        let deadline = std::time::Instant::now() + self.config.bootstrap_timeout;
+        let deadline = std::time::Instant::now().checked_add(self.config.bootstrap_timeout);
         let (instance, ranks) = loop {
             match ask_registry(&addr.0, addr.1, &ToRegistry::Query, t)? {
                 FromRegistry::Layout { instance, ranks } => break (instance, ranks),
-                FromRegistry::NotReady { .. } if std::time::Instant::now() < deadline => {
+                FromRegistry::NotReady { .. }
+                    if deadline.is_none_or(|d| std::time::Instant::now() < d) =>
+                {
                     std::thread::sleep(Duration::from_millis(20))
                 }
                 FromRegistry::NotReady {

@@ -1,6 +1,8 @@
 //! Push-mode messages: decode → prefill control messages and registry requests (msgpack
 //! maps with a `kind` tag), and the prefill → decode notification strings.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use serde::{Deserialize, Serialize};
 
 use crate::wire::handshake::LayoutWire;
@@ -186,7 +188,10 @@ pub fn check_layout(ranks: &[RankInfo]) -> Result<(), String> {
             ));
         }
     }
-    let expected = u64::from(first.tp_size) * u64::from(first.pp_size) * u64::from(first.dp_size);
+    let expected = u64::from(first.tp_size)
+        .checked_mul(u64::from(first.pp_size))
+        .and_then(|n| n.checked_mul(u64::from(first.dp_size)))
+        .ok_or("tp x pp x dp overflows")?;
     if ranks.len() as u64 != expected {
         return Err(format!(
             "{} ranks listed, {expected} expected from their sizes",

@@ -2,6 +2,8 @@
 //! decode registrations and room destinations on its mailbox, and WRITEs each room's KV
 //! chunks (then aux and state with the last chunk) into every decode rank it serves.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +24,7 @@ use super::status::RoomStatus;
 use crate::clock::Clock;
 use crate::plan::split_for;
 use crate::sidechannel::MessageServer;
+use crate::tally::Tally;
 use crate::transport::{
     AddrRange, MemoryKind, Op, PeerId, Registration, Transport, XferId, XferStatus,
 };
@@ -402,9 +405,9 @@ impl<T: Transport> PushPrefill<T> {
     fn on_message(&mut self, msg: ToPrefill) {
         match msg {
             ToPrefill::Register(args) => {
-                self.metrics.registrations += 1;
+                self.metrics.registrations.tally(1);
                 if let Err(e) = self.register_decode(args) {
-                    self.refused += 1;
+                    self.refused.tally(1);
                     tracing::warn!(error = %e, "refused a decode registration");
                 }
             }
@@ -496,7 +499,7 @@ impl<T: Transport> PushPrefill<T> {
     fn on_room(&mut self, req: RoomRequest) {
         let now = self.clock.now();
         let Some(d) = self.decodes.get(&req.agent) else {
-            self.refused += 1;
+            self.refused.tally(1);
             return;
         };
         let problem = self.validate(d, &req);
@@ -570,7 +573,7 @@ impl<T: Transport> PushPrefill<T> {
             });
         }
         let total = r.total.unwrap_or(0);
-        let left = total - r.sent;
+        let left = total.saturating_sub(r.sent);
         if pages.len() > left {
             return Err(PushError::TooManyPages {
                 room,
@@ -609,8 +612,10 @@ impl<T: Transport> PushPrefill<T> {
                 }
             }
         }
-        self.metrics.post_time += self.clock.now().saturating_sub(started);
-        self.metrics.transfers += posted.len() as u64;
+        self.metrics
+            .post_time
+            .tally(self.clock.now().saturating_sub(started));
+        self.metrics.transfers.tally(posted.len() as u64);
         let r = self
             .rooms
             .get_mut(&room)
@@ -622,8 +627,8 @@ impl<T: Transport> PushPrefill<T> {
                 Err(PushError::Setup(e))
             }
             None => {
-                r.sent += pages.len();
-                r.chunk += 1;
+                r.sent.tally(pages.len());
+                r.chunk.tally(1);
                 r.last_sent = is_last;
                 r.status = r.status.update(RoomStatus::Transferring);
                 Ok(())
@@ -669,7 +674,15 @@ impl<T: Transport> PushPrefill<T> {
         let kv = &self.bufs.kv;
         let src = CacheSide::new(&kv.spec, &kv.bases, kv.first_layer).map_err(|e| e.to_string())?;
         let dst = CacheSide::new(&d.spec, &d.args.kv_bases, 0).map_err(|e| e.to_string())?;
-        let dst_pages = &dest.pages[start..start + pages.len()];
+        let dst_pages = start
+            .checked_add(pages.len())
+            .and_then(|end| dest.pages.get(start..end))
+            .ok_or_else(|| {
+                format!(
+                    "decode {} has no pages {start}.. for this chunk",
+                    dest.agent
+                )
+            })?;
         let pairs = BlockPairs {
             src: pages,
             dst: dst_pages,
@@ -691,10 +704,14 @@ impl<T: Transport> PushPrefill<T> {
             &mut self.ranges.0,
             &mut self.ranges.1,
         );
-        self.metrics.plan_time += self.clock.now().saturating_sub(planning);
-        self.metrics.kv_bytes += self.plan.total_bytes;
-        self.metrics.descriptors_raw += self.plan.raw_count;
-        self.metrics.descriptors_posted += self.plan.len() as u64;
+        self.metrics
+            .plan_time
+            .tally(self.clock.now().saturating_sub(planning));
+        self.metrics.kv_bytes.tally(self.plan.total_bytes);
+        self.metrics.descriptors_raw.tally(self.plan.raw_count);
+        self.metrics
+            .descriptors_posted
+            .tally(self.plan.len() as u64);
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
         let mut posted = Vec::new();
@@ -715,7 +732,7 @@ impl<T: Transport> PushPrefill<T> {
             return Ok(posted);
         }
         if let (Some(src_i), Some(dst_i)) = (aux_index, dest.aux_index) {
-            if pp_rank + 1 == pp_size && !self.bufs.aux.is_empty() {
+            if pp_rank.checked_add(1) == Some(pp_size) && !self.bufs.aux.is_empty() {
                 let (l, r) = items(&self.bufs.aux, &d.args.aux, &[src_i], &[dst_i])?;
                 let x = self.transport.post(
                     Op::Write,

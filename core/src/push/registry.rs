@@ -3,6 +3,8 @@
 //! registered. A restarted prefill runs a new registry with a new instance id, which tells
 //! decode to drop what it cached about the old one.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

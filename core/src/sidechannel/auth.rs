@@ -14,6 +14,8 @@
 //! `"req" | nonce | time_ms | payload`. Sealed reply: `"KVXA" 1 | mac[32] | payload`, mac over
 //! `"rep" | request nonce | payload`.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -125,7 +127,7 @@ impl SideKey {
         let nonce: [u8; NONCE] = rand::random();
         let time = now_ms().to_le_bytes();
         let tag = self.mac(&[b"req", &nonce, &time, payload]);
-        let mut out = Vec::with_capacity(MAGIC.len() + NONCE + 8 + TAG + payload.len());
+        let mut out = Vec::with_capacity(capacity(&[MAGIC.len(), NONCE, 8, TAG, payload.len()]));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&time);
@@ -164,7 +166,7 @@ impl SideKey {
     /// Seals a reply to the request with `nonce`.
     pub fn seal_reply(&self, nonce: &[u8; NONCE], payload: &[u8]) -> Vec<u8> {
         let tag = self.mac(&[b"rep", nonce, payload]);
-        let mut out = Vec::with_capacity(MAGIC.len() + TAG + payload.len());
+        let mut out = Vec::with_capacity(capacity(&[MAGIC.len(), TAG, payload.len()]));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&tag);
         out.extend_from_slice(payload);
@@ -238,6 +240,11 @@ pub fn key() -> Result<Option<SideKey>, String> {
     // Only a well-formed environment setting is cached; errors are re-reported.
     let mut slot = KEY.write().unwrap_or_else(|e| e.into_inner());
     Ok(slot.get_or_insert(k).clone())
+}
+
+/// The sum of `parts`, saturating (a capacity hint).
+fn capacity(parts: &[usize]) -> usize {
+    parts.iter().fold(0, |a, b| a.saturating_add(*b))
 }
 
 #[cfg(test)]

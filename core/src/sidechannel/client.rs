@@ -1,5 +1,7 @@
 //! Fetching a peer's handshake metadata over the side channel.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::time::Duration;
 
 use thiserror::Error;

@@ -1,5 +1,7 @@
 //! The handshake listener: a thread with a ROUTER socket that answers metadata requests.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};

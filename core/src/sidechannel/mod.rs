@@ -3,6 +3,8 @@
 //! NixlConnector frames it (request `get_meta_msg`, reply one msgpack map); what the map
 //! carries pairs kvxfer with kvxfer only (see `wire::handshake`).
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 pub mod auth;
 mod client;
 mod listener;
@@ -29,8 +31,10 @@ pub fn side_channel_port(
     tp_size: u32,
     tp_rank: u32,
 ) -> Option<u16> {
-    let offset = u64::from(dp_rank_local) * u64::from(tp_size) + u64::from(tp_rank);
-    u16::try_from(u64::from(base_port) + offset).ok()
+    let offset = u64::from(dp_rank_local)
+        .checked_mul(u64::from(tp_size))?
+        .checked_add(u64::from(tp_rank))?;
+    u16::try_from(u64::from(base_port).checked_add(offset)?).ok()
 }
 
 /// A ROUTER socket bound to `host:port` (0 picks a free port) that drops messages above

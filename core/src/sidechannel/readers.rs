@@ -1,6 +1,8 @@
 //! The agents that fetched a listener's metadata naming themselves: the decode ranks that
 //! will read this rank's blocks, and so the only peers whose pull notifications count.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
 

@@ -2,6 +2,8 @@
 //! and sends back what it returns. Requests above a size limit never reach the handler
 //! (ZMQ drops them); the handler sees raw bytes and must treat them as untrusted.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;

@@ -10,6 +10,8 @@
 //! kvxfer peers today; no handshake with a real vLLM completes, and vLLM 0.32.0 speaks a
 //! different protocol altogether (its payload, compatibility hash and two-frame reply).
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype};
 use serde::{Deserialize, Serialize};
 

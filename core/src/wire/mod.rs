@@ -2,6 +2,8 @@
 //! refuses input above a size limit before decoding, never panics, and never allocates more
 //! than the input justifies.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 pub mod handshake;
 pub mod params;
 

@@ -1,6 +1,8 @@
 //! Transfer parameters handed from the prefill side to the decode side through the P/D
 //! proxy, with vLLM 0.9.1's JSON keys (vLLM 0.32's nested `remote_block_ids` is not accepted).
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use serde::{Deserialize, Serialize};
 
 use super::{WireError, check_size};

@@ -1,6 +1,8 @@
 //! Connections to prefill engines: the handshake (on its own thread), compatibility checks
 //! and peer loading, and dropping a connection whose prefill died or restarted.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -12,6 +14,7 @@ use super::{Engine, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
 use crate::pull::scheduler::RecvRequest;
 use crate::sidechannel::fetch_metadata_for;
+use crate::tally::Tally;
 use crate::transport::Transport;
 use crate::wire::handshake::{HandshakeMeta, PROTOCOL_VERSION};
 
@@ -63,8 +66,10 @@ impl<T: Transport> PullWorker<T> {
             .and_then(|(remote_tp, metas)| self.connect(remote_tp, metas));
         match ready {
             Ok((mapping, ranks)) => {
-                self.metrics.handshakes += 1;
-                self.metrics.handshake_time += self.clock.now().saturating_sub(outcome.started);
+                self.metrics.handshakes.tally(1);
+                self.metrics
+                    .handshake_time
+                    .tally(self.clock.now().saturating_sub(outcome.started));
                 tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
                 self.engines
@@ -74,7 +79,7 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
             Err(reason) => {
-                self.metrics.failed_handshakes += 1;
+                self.metrics.failed_handshakes.tally(1);
                 // Forget the engine so a later request tries again.
                 self.engines.remove(&outcome.engine_id);
                 tracing::warn!(engine = %outcome.engine_id, %reason, "handshake failed");
@@ -291,7 +296,7 @@ impl<T: Transport> PullWorker<T> {
         let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
             return;
         };
-        self.metrics.lost_connections += 1;
+        self.metrics.lost_connections.tally(1);
         tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
         let doomed: Vec<String> = self
             .loads
@@ -326,7 +331,7 @@ impl<T: Transport> PullWorker<T> {
             let key = (engine_id.to_string(), rank);
             if let Some(old) = self.instances.insert(key, instance) {
                 if old != instance {
-                    self.metrics.peer_restarts += 1;
+                    self.metrics.peer_restarts.tally(1);
                     tracing::info!(engine = %engine_id, rank, "prefill engine restarted (new instance): connected to the new one");
                 }
             }
@@ -372,8 +377,10 @@ fn handshake(
             metas.push((0, first.clone()));
             continue;
         }
-        let p = u16::try_from(u32::from(port) + r)
-            .map_err(|_| format!("port of prefill rank {r} exceeds 65535"))?;
+        let p = u32::from(port)
+            .checked_add(r)
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or_else(|| format!("port of prefill rank {r} exceeds 65535"))?;
         metas.push((
             r,
             fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?,

@@ -2,10 +2,13 @@
 //! READ (notes counted per sender, only from agents that fetched our metadata) or its lease
 //! expired.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::time::Duration;
 
 use super::PullWorker;
 use crate::pull::notify::{self, PullNote};
+use crate::tally::Tally;
 use crate::transport::Transport;
 
 pub(super) struct Held {
@@ -47,7 +50,7 @@ impl<T: Transport> PullWorker<T> {
     pub(super) fn start_holds(&mut self, hold: &[String]) {
         let now = self.clock.now();
         for req_id in hold {
-            let mut held = Held::new(now + self.config.lease);
+            let mut held = Held::new(now.saturating_add(self.config.lease));
             if let Some(early) = self.early.remove(req_id) {
                 held.senders = early.senders;
                 held.readers = early.readers;
@@ -66,7 +69,7 @@ impl<T: Transport> PullWorker<T> {
             let note = notify::parse(&n.message);
             if note.is_some() && !self.readers.contains(&n.from) {
                 // Only a decode that fetched our metadata reads (and frees) our blocks.
-                self.metrics.refused_notes += 1;
+                self.metrics.refused_notes.tally(1);
                 tracing::debug!(from = %n.from, "note from an agent that never fetched our metadata dropped");
                 continue;
             }
@@ -74,7 +77,7 @@ impl<T: Transport> PullWorker<T> {
                 Some(PullNote::Read { req_id, readers }) => {
                     if let Some(mut held) = self.held.remove(req_id) {
                         if !held.count(&n.from, readers) {
-                            self.metrics.refused_notes += 1;
+                            self.metrics.refused_notes.tally(1);
                         }
                         self.hold_or_free(req_id.to_string(), held);
                     } else {
@@ -82,18 +85,18 @@ impl<T: Transport> PullWorker<T> {
                         let early = self
                             .early
                             .entry(req_id.to_string())
-                            .or_insert_with(|| Held::new(now + self.config.lease));
+                            .or_insert_with(|| Held::new(now.saturating_add(self.config.lease)));
                         if !early.count(&n.from, readers) {
-                            self.metrics.refused_notes += 1;
+                            self.metrics.refused_notes.tally(1);
                         }
                     }
                 }
                 Some(PullNote::Heartbeat { req_id }) => {
                     if let Some(h) = self.held.get_mut(req_id) {
-                        h.deadline = now + self.config.lease;
+                        h.deadline = now.saturating_add(self.config.lease);
                     }
                 }
-                None => self.unknown_notifications += 1,
+                None => self.unknown_notifications.tally(1),
             }
         }
     }
@@ -114,7 +117,7 @@ impl<T: Transport> PullWorker<T> {
             .collect();
         for id in expired {
             self.held.remove(&id);
-            self.metrics.expired_leases += 1;
+            self.metrics.expired_leases.tally(1);
             tracing::warn!(req = %id, "lease expired: freeing blocks no decode read");
             self.finished.sending.push(id);
         }

@@ -1,6 +1,8 @@
 //! Decode-side loads: posting each request's READs (coalesced plans or prepared-list
 //! indices), polling them to completion or failure, and heartbeats for the prefill's leases.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
 
 use super::{Engine, FailedLoad, Load, PullWorker};
@@ -8,6 +10,7 @@ use crate::plan::split_for;
 use crate::pull::block_lists;
 use crate::pull::notify;
 use crate::pull::scheduler::RecvRequest;
+use crate::tally::Tally;
 use crate::transport::{Op, Transport, XferId, XferStatus};
 
 impl<T: Transport> PullWorker<T> {
@@ -15,7 +18,9 @@ impl<T: Transport> PullWorker<T> {
         let start = self.clock.now();
         match self.post_reads(&req) {
             Ok(xfers) => {
-                self.metrics.post_time += self.clock.now().saturating_sub(start);
+                self.metrics
+                    .post_time
+                    .tally(self.clock.now().saturating_sub(start));
                 if xfers.is_empty() {
                     self.finished.recving.push(req.req_id.clone());
                 } else {
@@ -32,7 +37,7 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
             Err((reason, posted)) => {
-                self.metrics.failed_setups += 1;
+                self.metrics.failed_setups.tally(1);
                 self.orphans.extend(posted);
                 let engine_id = req.engine_id.clone();
                 self.fail(req, reason);
@@ -61,7 +66,9 @@ impl<T: Transport> PullWorker<T> {
             );
             return Err((reason, Vec::new()));
         }
-        let remote = &req.remote_block_ids[req.remote_block_ids.len() - local.len()..];
+        // Checked above: the prefill holds at least as many blocks as are read.
+        let remote =
+            &req.remote_block_ids[req.remote_block_ids.len().saturating_sub(local.len())..];
         let links = mapping
             .links_for_decode(self.config.tp_rank)
             .map_err(|e| (e.to_string(), Vec::new()))?;
@@ -88,7 +95,9 @@ impl<T: Transport> PullWorker<T> {
                     lists
                         .indices(remote, local, &mut self.indices.0, &mut self.indices.1)
                         .map_err(|e| (e, posted.clone()))?;
-                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
+                    self.metrics
+                        .plan_time
+                        .tally(self.clock.now().saturating_sub(planning));
                     let x = self
                         .transport
                         .post_indexed(
@@ -102,11 +111,17 @@ impl<T: Transport> PullWorker<T> {
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
                     let pairs = local.len() as u64;
-                    self.metrics.transfers += 1;
-                    self.metrics.indexed_transfers += 1;
-                    self.metrics.bytes += pairs * lists.bytes_per_block;
-                    self.metrics.descriptors_raw += pairs * lists.raw_per_block;
-                    self.metrics.descriptors_posted += self.indices.0.len() as u64;
+                    self.metrics.transfers.tally(1);
+                    self.metrics.indexed_transfers.tally(1);
+                    self.metrics
+                        .bytes
+                        .tally(pairs.saturating_mul(lists.bytes_per_block));
+                    self.metrics
+                        .descriptors_raw
+                        .tally(pairs.saturating_mul(lists.raw_per_block));
+                    self.metrics
+                        .descriptors_posted
+                        .tally(self.indices.0.len() as u64);
                 }
                 (LinkKind::Data(slice), None) if !local.is_empty() => {
                     let side = CacheSide::new(&rank.spec, &rank.bases, rank.first_layer)
@@ -132,7 +147,9 @@ impl<T: Transport> PullWorker<T> {
                         &mut self.ranges.0,
                         &mut self.ranges.1,
                     );
-                    self.metrics.plan_time += self.clock.now().saturating_sub(planning);
+                    self.metrics
+                        .plan_time
+                        .tally(self.clock.now().saturating_sub(planning));
                     let kinds = (self.cache.memory, self.cache.memory);
                     let x = self
                         .transport
@@ -146,14 +163,16 @@ impl<T: Transport> PullWorker<T> {
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
-                    self.metrics.transfers += 1;
-                    self.metrics.bytes += self.plan.total_bytes;
-                    self.metrics.descriptors_raw += self.plan.raw_count;
-                    self.metrics.descriptors_posted += self.plan.len() as u64;
+                    self.metrics.transfers.tally(1);
+                    self.metrics.bytes.tally(self.plan.total_bytes);
+                    self.metrics.descriptors_raw.tally(self.plan.raw_count);
+                    self.metrics
+                        .descriptors_posted
+                        .tally(self.plan.len() as u64);
                 }
                 _ => {
                     if let Err(e) = self.transport.send_notification(rank.peer, &note) {
-                        self.metrics.failed_notifications += 1;
+                        self.metrics.failed_notifications.tally(1);
                         return Err((
                             format!("notifying prefill rank {}: {e}", link.prefill_rank),
                             posted,
@@ -187,7 +206,7 @@ impl<T: Transport> PullWorker<T> {
                     {
                         // Cancel before reporting: nothing may land in the blocks after the
                         // engine hears they are invalid. Release is bounded by the transport.
-                        self.metrics.failed_transfers += 1;
+                        self.metrics.failed_transfers.tally(1);
                         load.failed.get_or_insert(format!(
                             "no completion within {:?}",
                             self.config.transfer_timeout
@@ -196,19 +215,19 @@ impl<T: Transport> PullWorker<T> {
                     }
                     Ok(XferStatus::InProgress) => still.push((x, posted)),
                     Ok(XferStatus::Done) => {
-                        self.metrics.transfer_time += now.saturating_sub(posted);
+                        self.metrics.transfer_time.tally(now.saturating_sub(posted));
                         if let Some(t) = self.transport.telemetry(x) {
                             self.metrics.backend.add(&t);
                         }
                         let _ = self.transport.release(x);
                     }
                     Ok(XferStatus::Failed(reason)) => {
-                        self.metrics.failed_transfers += 1;
+                        self.metrics.failed_transfers.tally(1);
                         load.failed.get_or_insert(reason);
                         let _ = self.transport.release(x);
                     }
                     Err(e) => {
-                        self.metrics.failed_transfers += 1;
+                        self.metrics.failed_transfers.tally(1);
                         load.failed.get_or_insert(e.to_string());
                     }
                 }
@@ -252,7 +271,7 @@ impl<T: Transport> PullWorker<T> {
                     .send_notification(rank.peer, &notify::heartbeat(&load.req.remote_req_id))
                     .is_err()
                 {
-                    self.metrics.failed_notifications += 1;
+                    self.metrics.failed_notifications.tally(1);
                 }
             }
         }

@@ -8,6 +8,8 @@
 //! prefill rank how many readers to wait for; notify-only links just send the notification.
 //! Prefill side: held requests are freed when all readers notified or their lease expired.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -150,6 +152,7 @@ mod connect;
 mod holds;
 mod loads;
 
+use crate::tally::Tally;
 use holds::Held;
 
 impl<T: Transport> PullWorker<T> {
@@ -261,7 +264,7 @@ impl<T: Transport> PullWorker<T> {
         self.start_holds(&meta.hold);
         for req in &meta.recv {
             if self.in_flight(&req.req_id) {
-                self.metrics.refused_loads += 1;
+                self.metrics.refused_loads.tally(1);
                 refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
                 continue;
             }
@@ -381,7 +384,7 @@ fn register_spans<T: Transport>(
     let mut spans: Vec<AddrRange> = Vec::new();
     for b in bases {
         match spans.last_mut() {
-            Some(s) if s.addr + s.len == b => s.len += len,
+            Some(s) if s.addr.checked_add(s.len) == Some(b) => s.len = s.len.saturating_add(len),
             _ => spans.push(AddrRange::new(b, len)),
         }
     }
