@@ -46,8 +46,17 @@ mod tests {
         let mut m = 3u32;
         m.tally(4);
         assert_eq!(m, 7);
+        let mut u = usize::MAX;
+        u.tally(1);
+        assert_eq!(u, usize::MAX);
+        let mut v = 2usize;
+        v.tally(3);
+        assert_eq!(v, 5);
         let mut d = Duration::MAX;
         d.tally(Duration::from_secs(1));
         assert_eq!(d, Duration::MAX);
+        let mut e = Duration::from_secs(1);
+        e.tally(Duration::from_millis(500));
+        assert_eq!(e, Duration::from_millis(1500));
     }
 }

@@ -137,7 +137,8 @@ impl RankInfo {
     /// Refuses a rank outside its own declared sizes (sizes of 0 included), without an
     /// agent name, or whose stage's layer range overflows.
     pub fn check(&self) -> Result<(), String> {
-        let within = |rank: u32, size: u32| size > 0 && rank < size;
+        // A size of 0 holds no rank.
+        let within = |rank: u32, size: u32| rank < size;
         if !(within(self.tp_rank, self.tp_size)
             && within(self.pp_rank, self.pp_size)
             && within(self.dp_rank, self.dp_size))
@@ -387,6 +388,13 @@ mod tests {
         assert!(broken(&|l| l[1].pp_size = 0).contains("declared sizes"));
         assert!(broken(&|l| l[1].tp_rank = 2).contains("declared sizes"));
         assert!(broken(&|l| l[1].agent.clear()).contains("agent name"));
+        let long = |n: usize| {
+            let mut l = good.clone();
+            l[1].agent = "a".repeat(n);
+            check_layout(&l)
+        };
+        assert_eq!(long(MAX_AGENT_NAME), Ok(()));
+        assert!(long(MAX_AGENT_NAME + 1).is_err());
         assert!(broken(&|l| l[1].page_size = 0).contains("page size"));
         assert!(broken(&|l| l[1].first_layer = u32::MAX).contains("layers"));
         assert!(broken(&|l| l[1].dtype = "f32".into()).contains("disagree"));

@@ -63,7 +63,9 @@ mod tests {
     #[test]
     fn names_are_kept_once_and_the_oldest_goes_when_full() {
         let r = KnownReaders::default();
+        assert!(r.is_empty());
         r.add("a");
+        assert!(!r.is_empty());
         r.add("a");
         assert_eq!(r.len(), 1);
         for i in 0..MAX_READERS {
