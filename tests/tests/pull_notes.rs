@@ -109,6 +109,14 @@ fn a_note_before_the_hold_is_kept_and_frees_the_request_when_held() {
     let mut reader = Sender::new("notes3-D", &pre, true);
     reader.note("early:1");
     assert!(freed(&mut pre).is_empty(), "nothing is held yet");
+    assert_eq!(pre.workers[0].take_metrics().refused_notes, 0);
+    reader.note("early:1");
+    assert!(freed(&mut pre).is_empty());
+    assert_eq!(
+        pre.workers[0].take_metrics().refused_notes,
+        1,
+        "the repeat is refused before the hold too"
+    );
     let _ = pre.finish_prefill("early", &[2]);
     assert_eq!(freed(&mut pre), vec!["early".to_string()]);
     assert_eq!(pre.workers[0].take_metrics().expired_leases, 0);
