@@ -19,8 +19,10 @@ use super::{WireError, check_size};
 
 /// The exact request bytes a reference client sends.
 pub const GET_META_MSG: &[u8] = b"get_meta_msg";
-/// kvxfer's handshake protocol version.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// kvxfer's handshake protocol version. 2: the decode names its agent in the metadata request
+/// (`["get_meta_msg", rank, agent]`) and the prefill counts read notes only from agents that
+/// did, so a version-1 decode's notes would be dropped (its blocks freed only by the lease).
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Default bound on a handshake reply (agent metadata of large registrations included).
 pub const MAX_HANDSHAKE_BYTES: usize = 32 << 20;
 /// Most region base addresses a reply may carry.
