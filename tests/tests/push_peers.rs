@@ -284,3 +284,92 @@ fn a_room_waits_for_every_pipeline_stage() {
         .verify(&[(3, 5)])
         .expect("both stages' layers");
 }
+
+/// Registers `args` with the waiting room's prefill rank 0 through its mailbox and waits
+/// until its engine poll has handled it; returns whether it was refused.
+fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
+    let layout = match messages::decode::<FromRegistry>(
+        &request_bytes(
+            "127.0.0.1",
+            pre.registry.port(),
+            &encode(&ToRegistry::Query),
+            Duration::from_secs(5),
+            1 << 20,
+        )
+        .expect("query"),
+        "reply",
+    ) {
+        Ok(FromRegistry::Layout { ranks, .. }) => ranks,
+        other => panic!("{other:?}"),
+    };
+    let refused = pre.ranks[0].refused();
+    let _ = pre.ranks[0].take_metrics();
+    let _ = request_bytes(
+        &layout[0].host,
+        layout[0].port,
+        &encode(&ToPrefill::Register(args)),
+        Duration::from_secs(5),
+        1 << 20,
+    )
+    .expect("reply");
+    let start = Instant::now();
+    let mut seen = 0;
+    while seen == 0 {
+        pre.ranks[0].poll();
+        seen = pre.ranks[0].take_metrics().registrations;
+        assert!(start.elapsed() < Duration::from_secs(60), "never handled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pre.ranks[0].refused() > refused
+}
+
+/// Each difference a decode's registration may not have from the prefill's layout is
+/// refused on its own: page size, dtype, aux or state buffer count, item length.
+#[test]
+fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
+    let (mut pre, dec) = waiting_room("pn7");
+    let spec = dec.mem[0].kv.spec;
+    let item = BufferWire {
+        base: 0x1000,
+        item_len: kvxfer_tests::push_env::ITEM_LEN,
+        items: 4,
+    };
+    let base = |name: &str| RegisterArgs {
+        agent: name.into(),
+        agent_metadata: dec.ranks[0].transport().metadata().expect("metadata"),
+        layout: LayoutWire::from_spec(&spec, 4, 2, 0),
+        kv_bases: dec.mem[0].kv.bases(),
+        aux: vec![item],
+        state: vec![],
+        tp_size: 1,
+        tp_rank: 0,
+    };
+    assert!(
+        !register(&mut pre, base("pn7-fits")),
+        "a fitting registration"
+    );
+    let mut page = base("pn7-page");
+    page.layout.tokens_per_block += 1;
+    let mut dtype = base("pn7-dtype");
+    dtype.layout.dtype = if dtype.layout.dtype == "f32" {
+        "f16"
+    } else {
+        "f32"
+    }
+    .into();
+    let mut aux_count = base("pn7-aux-count");
+    aux_count.aux.push(item);
+    let mut aux_len = base("pn7-aux-len");
+    aux_len.aux[0].item_len += 1;
+    let mut state_count = base("pn7-state-count");
+    state_count.state.push(item);
+    for (what, args) in [
+        ("page size", page),
+        ("dtype", dtype),
+        ("aux count", aux_count),
+        ("aux item length", aux_len),
+        ("state count", state_count),
+    ] {
+        assert!(register(&mut pre, args), "{what} differs and was accepted");
+    }
+}
