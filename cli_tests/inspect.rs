@@ -1,18 +1,8 @@
 //! Runs `kvxfer inspect` as a user would and checks what it prints.
 
-use std::process::Command;
+mod common;
 
-fn kvxfer(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
-        .args(args)
-        .output()
-        .expect("run kvxfer");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::kvxfer;
 
 #[test]
 fn inspect_default_prints_spec_mapping_and_plan() {

@@ -152,12 +152,9 @@ fn a_registry_layout_with_zero_stages_fails_the_room() {
     assert!(error.contains("registry's layout"), "{error}");
 }
 
-/// A decode registering an aux buffer that ends past `u64::MAX` is refused at registration
-/// (counted), so no room of it can reach a WRITE.
-#[test]
-fn a_registered_buffer_that_wraps_is_refused() {
-    let (mut pre, dec) = waiting_room("pn4");
-    let layout = match messages::decode::<FromRegistry>(
+/// Prefill rank 0 as its registry lists it (its mailbox is where registrations go).
+fn mailbox(pre: &PrefillSide) -> RankInfo {
+    let ranks = match messages::decode::<FromRegistry>(
         &request_bytes(
             "127.0.0.1",
             pre.registry.port(),
@@ -171,7 +168,15 @@ fn a_registered_buffer_that_wraps_is_refused() {
         Ok(FromRegistry::Layout { ranks, .. }) => ranks,
         other => panic!("{other:?}"),
     };
-    let mailbox = &layout[0];
+    ranks.into_iter().next().expect("rank 0")
+}
+
+/// A decode registering an aux buffer that ends past `u64::MAX` is refused at registration
+/// (counted), so no room of it can reach a WRITE.
+#[test]
+fn a_registered_buffer_that_wraps_is_refused() {
+    let (mut pre, dec) = waiting_room("pn4");
+    let mailbox = mailbox(&pre);
     let item_len = kvxfer_tests::push_env::ITEM_LEN;
     let spec = dec.mem[0].kv.spec;
     let args = RegisterArgs {
@@ -288,25 +293,12 @@ fn a_room_waits_for_every_pipeline_stage() {
 /// Registers `args` with the waiting room's prefill rank 0 through its mailbox and waits
 /// until its engine poll has handled it; returns whether it was refused.
 fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
-    let layout = match messages::decode::<FromRegistry>(
-        &request_bytes(
-            "127.0.0.1",
-            pre.registry.port(),
-            &encode(&ToRegistry::Query),
-            Duration::from_secs(5),
-            1 << 20,
-        )
-        .expect("query"),
-        "reply",
-    ) {
-        Ok(FromRegistry::Layout { ranks, .. }) => ranks,
-        other => panic!("{other:?}"),
-    };
+    let mailbox = mailbox(pre);
     let refused = pre.ranks[0].refused();
     let _ = pre.ranks[0].take_metrics();
     let _ = request_bytes(
-        &layout[0].host,
-        layout[0].port,
+        &mailbox.host,
+        mailbox.port,
         &encode(&ToPrefill::Register(args)),
         Duration::from_secs(5),
         1 << 20,

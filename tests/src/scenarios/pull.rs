@@ -276,19 +276,7 @@ pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory
             c.handshake_timeout = std::time::Duration::from_millis(200);
         },
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let params = kvxfer_core::wire::params::KvTransferParams {
-        do_remote_prefill: true,
-        remote_block_ids: Some(vec![1, 2]),
-        remote_engine_id: Some("ghost".into()),
-        remote_host: Some("127.0.0.1".into()),
-        remote_port: Some(port),
-        ..Default::default()
-    };
+    let params = ghost_params(&[1, 2]);
     dec.start_load("r", &params, &[5, 6], 8);
     let mut failed = Vec::new();
     let mut recv = Vec::new();
@@ -311,6 +299,23 @@ pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory
     assert_eq!(dec.workers[0].take_metrics().failed_handshakes, 1);
 }
 
+/// Params naming a prefill `ghost` at a port where nothing listens: its handshake fails.
+fn ghost_params(blocks: &[u32]) -> kvxfer_core::wire::params::KvTransferParams {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    kvxfer_core::wire::params::KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(blocks.to_vec()),
+        remote_engine_id: Some("ghost".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    }
+}
+
 /// The configured failure policy reaches the engine with each failed load, whichever it is.
 pub fn failure_policy_reaches_the_report<F: TransportFactory>(f: &F) {
     use kvxfer_core::pull::FailurePolicy;
@@ -321,19 +326,7 @@ pub fn failure_policy_reaches_the_report<F: TransportFactory>(f: &F) {
             c.failure_policy = policy;
         };
         let mut dec = engine("policy-D", &model, 1, false, clock(), &mk(f), &tune);
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let params = kvxfer_core::wire::params::KvTransferParams {
-            do_remote_prefill: true,
-            remote_block_ids: Some(vec![1]),
-            remote_engine_id: Some("ghost".into()),
-            remote_host: Some("127.0.0.1".into()),
-            remote_port: Some(port),
-            ..Default::default()
-        };
+        let params = ghost_params(&[1]);
         dec.start_load("r", &params, &[5], 4);
         let failed = first_failure(&mut dec);
         assert_eq!(
