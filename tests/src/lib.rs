@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod conformance;
+pub mod faulty;
 pub mod loopback;
 pub mod memory;
 pub mod pull_env;

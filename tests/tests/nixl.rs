@@ -91,10 +91,12 @@ fn conformance_zero_length_lists() {
 }
 #[test]
 fn conformance_failures_surface_as_failed() {
-    run(
-        "failures",
-        kvxfer_tests::conformance::failures_surface_as_failed,
-    );
+    // NIXL injects no faults itself: the decorator over the contract does.
+    run("failures", |_| {
+        kvxfer_tests::conformance::failures_surface_as_failed(&kvxfer_tests::faulty::WithFaults(
+            Nixl,
+        ))
+    });
 }
 #[test]
 fn conformance_registration_lifecycle() {

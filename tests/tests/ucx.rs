@@ -1,7 +1,7 @@
 //! The conformance suite on UCX in one process (two agents): over shared memory, and over TCP
 //! loopback, where UCX emulates RMA with messages the target must progress; both with the
-//! progress thread on (the mode without it is not covered yet). The pull and push scenario
-//! lists run over shared memory.
+//! progress thread on (the mode without it is not covered yet), every case through the
+//! fault-injection decorator. The pull and push scenario lists run over shared memory.
 #![cfg(feature = "ucx")]
 
 use std::time::Duration;
@@ -36,18 +36,20 @@ impl TransportFactory for Ucx {
     }
 }
 
+// Every conformance case runs through the fault-injection decorator, so that the failure
+// case runs here too.
 mod shm {
-    kvxfer_tests::conformance_suite!(super::Ucx {
+    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::Ucx {
         tls: "sm,self",
         progress_thread: true,
-    });
+    }));
 }
 
 mod tcp {
-    kvxfer_tests::conformance_suite!(super::Ucx {
+    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::Ucx {
         tls: "tcp,self",
         progress_thread: true,
-    });
+    }));
 }
 
 /// The pull and push scenario lists over UCX shared memory.

@@ -28,11 +28,15 @@ impl TransportFactory for UcxProcess {
 }
 
 mod shm {
-    kvxfer_tests::conformance_suite!(super::UcxProcess { tls: "sm,self" });
+    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::UcxProcess {
+        tls: "sm,self"
+    }));
 }
 
 mod tcp {
-    kvxfer_tests::conformance_suite!(super::UcxProcess { tls: "tcp,self" });
+    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::UcxProcess {
+        tls: "tcp,self"
+    }));
 }
 
 /// A peer killed (SIGKILL) in the middle of a 256 MiB READ: the transfer ends — failed, or

@@ -1,0 +1,284 @@
+//! Fault injection as a decorator over the transport contract, so that the failure cases of
+//! the suites run on every transport, not only on the loopback (which injects faults inside
+//! itself, [`kvxfer_transport_loopback::Faults`]).
+//!
+//! [`Faulty`] forwards every call to the transport it wraps and hands out its own transfer
+//! ids, so that a transfer it fails never reaches the wrapped transport: an armed failure
+//! posts nothing (no byte moves, no notification is sent) and reports `Failed` until
+//! released, exactly as a transfer that failed inside the transport looks to its caller.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::conformance::TransportFactory;
+use kvxfer_core::{
+    AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Registration,
+    Transport, TransportError, TransportResult, XferId, XferStatus, XferTelemetry,
+};
+
+/// What the injected failures report.
+pub const INJECTED: &str = "injected failure (kvxfer-tests Faulty)";
+
+/// The switch of one [`Faulty`] transport; clone it to arm failures from anywhere.
+#[derive(Debug, Clone, Default)]
+pub struct FaultSwitch(Arc<AtomicUsize>);
+
+impl FaultSwitch {
+    /// The next `n` transfers posted through the transport fail without being posted.
+    pub fn fail_next_transfers(&self, n: usize) {
+        self.0.store(n, Ordering::SeqCst);
+    }
+
+    /// Consumes one armed failure, if any.
+    fn take(&self) -> bool {
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
+/// A transfer as the decorator knows it.
+#[derive(Debug, Clone, Copy)]
+enum Posted {
+    /// Forwarded: the wrapped transport's id.
+    Inner(XferId),
+    /// Failed by injection: never posted.
+    Injected,
+}
+
+/// `T` with fault injection in front of its posts.
+pub struct Faulty<T: Transport> {
+    inner: T,
+    switch: FaultSwitch,
+    xfers: HashMap<XferId, Posted>,
+    next: u64,
+}
+
+impl<T: Transport> Faulty<T> {
+    /// Wraps `inner`; nothing fails until armed.
+    pub fn new(inner: T) -> Self {
+        Faulty {
+            inner,
+            switch: FaultSwitch::default(),
+            xfers: HashMap::new(),
+            next: 0,
+        }
+    }
+
+    /// The switch that arms failures.
+    pub fn faults(&self) -> FaultSwitch {
+        self.switch.clone()
+    }
+
+    /// The wrapped transport.
+    pub fn inner(&self) -> &T {
+        &self.inner
+    }
+
+    fn track(&mut self, posted: Posted) -> XferId {
+        self.next += 1;
+        let id = XferId(self.next);
+        self.xfers.insert(id, posted);
+        id
+    }
+
+    fn lookup(&self, xfer: XferId) -> TransportResult<Posted> {
+        self.xfers
+            .get(&xfer)
+            .copied()
+            .ok_or(TransportError::UnknownTransfer(xfer))
+    }
+
+    /// Posts through `post` unless a failure is armed.
+    fn post_with(
+        &mut self,
+        post: impl FnOnce(&mut T) -> TransportResult<XferId>,
+    ) -> TransportResult<XferId> {
+        let posted = if self.switch.take() {
+            Posted::Injected
+        } else {
+            Posted::Inner(post(&mut self.inner)?)
+        };
+        Ok(self.track(posted))
+    }
+}
+
+impl<T: Transport> Transport for Faulty<T> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn register(&mut self, kind: MemoryKind, range: AddrRange) -> TransportResult<Registration> {
+        self.inner.register(kind, range)
+    }
+
+    fn metadata(&self) -> TransportResult<Vec<u8>> {
+        self.inner.metadata()
+    }
+
+    fn load_peer(&mut self, metadata: &[u8]) -> TransportResult<PeerId> {
+        self.inner.load_peer(metadata)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> TransportResult<()> {
+        self.inner.remove_peer(peer)
+    }
+
+    fn prepare_local(
+        &mut self,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        self.inner.prepare_local(kind, ranges)
+    }
+
+    fn prepare_remote(
+        &mut self,
+        peer: PeerId,
+        kind: MemoryKind,
+        ranges: &[AddrRange],
+    ) -> TransportResult<DescListId> {
+        self.inner.prepare_remote(peer, kind, ranges)
+    }
+
+    fn release_list(&mut self, list: DescListId) -> TransportResult<()> {
+        self.inner.release_list(list)
+    }
+
+    fn post_indexed(
+        &mut self,
+        op: Op,
+        local: DescListId,
+        local_idx: &[u32],
+        remote: DescListId,
+        remote_idx: &[u32],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        self.post_with(|t| t.post_indexed(op, local, local_idx, remote, remote_idx, notification))
+    }
+
+    fn post(
+        &mut self,
+        op: Op,
+        peer: PeerId,
+        kind: (MemoryKind, MemoryKind),
+        local: &[AddrRange],
+        remote: &[AddrRange],
+        notification: Option<&[u8]>,
+    ) -> TransportResult<XferId> {
+        self.post_with(|t| t.post(op, peer, kind, local, remote, notification))
+    }
+
+    fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
+        match self.lookup(xfer)? {
+            Posted::Inner(x) => self.inner.status(x),
+            Posted::Injected => Ok(XferStatus::Failed(INJECTED.into())),
+        }
+    }
+
+    fn release(&mut self, xfer: XferId) -> TransportResult<()> {
+        let posted = self.lookup(xfer)?;
+        self.xfers.remove(&xfer);
+        match posted {
+            Posted::Inner(x) => self.inner.release(x),
+            Posted::Injected => Ok(()),
+        }
+    }
+
+    fn telemetry(&mut self, xfer: XferId) -> Option<XferTelemetry> {
+        match self.lookup(xfer).ok()? {
+            Posted::Inner(x) => self.inner.telemetry(x),
+            Posted::Injected => None,
+        }
+    }
+
+    fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
+        self.inner.send_notification(peer, message)
+    }
+
+    fn peer_failed(&self, peer: PeerId) -> bool {
+        self.inner.peer_failed(peer)
+    }
+
+    fn prefers_prepared_lists(&self) -> bool {
+        self.inner.prefers_prepared_lists()
+    }
+
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
+        self.inner.drain_notifications(out)
+    }
+}
+
+/// A factory whose transports are `F`'s wrapped in [`Faulty`], with the suite's failure
+/// case wired to the decorator.
+pub struct WithFaults<F>(pub F);
+
+impl<F: TransportFactory> TransportFactory for WithFaults<F> {
+    type T = Faulty<F::T>;
+
+    fn label(&self) -> String {
+        self.0.label()
+    }
+
+    fn create(&self, name: &str) -> Self::T {
+        Faulty::new(self.0.create(name))
+    }
+
+    fn inject_failures(&self, t: &Self::T, n: usize) -> bool {
+        t.faults().fail_next_transfers(n);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conformance::{connect, wait};
+    use crate::loopback::Loopback;
+    use crate::memory::Buffer;
+
+    #[test]
+    fn armed_failures_are_consumed_in_order_and_ids_stay_distinct() {
+        let mut src = Buffer::new(4096, Some(3));
+        let mut dst = Buffer::new(4096, None);
+        let mut p = connect(&WithFaults(Loopback), &mut [&mut dst], &mut [&mut src]);
+        let h = MemoryKind::Host;
+        p.a.faults().fail_next_transfers(1);
+        let failed =
+            p.a.post(
+                Op::Read,
+                p.b_in_a,
+                (h, h),
+                &[dst.range()],
+                &[src.range()],
+                None,
+            )
+            .expect("post");
+        let ok =
+            p.a.post(
+                Op::Read,
+                p.b_in_a,
+                (h, h),
+                &[dst.range()],
+                &[src.range()],
+                None,
+            )
+            .expect("post");
+        assert_ne!(failed, ok);
+        assert_eq!(wait(&mut p.a, failed), XferStatus::Failed(INJECTED.into()));
+        assert_eq!(wait(&mut p.a, ok), XferStatus::Done);
+        p.a.release(failed).expect("release the injected one");
+        assert!(matches!(
+            p.a.status(failed),
+            Err(TransportError::UnknownTransfer(_))
+        ));
+        assert!(p.a.release(failed).is_err(), "released twice");
+        p.a.release(ok).expect("release the real one");
+        assert!(p.a.status(ok).is_err());
+    }
+}
