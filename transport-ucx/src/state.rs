@@ -491,8 +491,12 @@ impl State {
             self.progress();
         }
         for c in std::mem::take(&mut self.closing) {
-            // Still closing: the worker's destruction ends the endpoint; its keys and health
-            // record are leaked rather than destroyed under it.
+            // Still closing (the peer never progressed the disconnect): the worker's
+            // destruction ends the endpoint, and UCX aborts the process there if the close
+            // request was not handed back. Its keys and health record are leaked rather than
+            // destroyed under it.
+            // SAFETY: a live close request, freed exactly once; UCX finishes it internally.
+            unsafe { sys::api().ucp_request_free(c.req) };
             std::mem::forget(c.peer.regions);
             std::mem::forget(c.peer.health);
         }
