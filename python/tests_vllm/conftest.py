@@ -107,3 +107,34 @@ def fault_decodes(fault_logdir: Path) -> Iterator[dict[str, Engine]]:
     for e in decodes.values():
         e.close()
     print(f"engine logs: {fault_logdir}")
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """A TP 1 prefill and a TP 2 decode (UCX). vLLM's CPU workers can miss a wake-up of its
+    shared-memory broadcast queue and sleep up to 5 s at a time (vLLM PR #45224), several times
+    in a row; a TP rank asleep holds up its step, so the timeouts are long."""
+    _usable_or_skip("ucx")
+    logdir = tmp_path_factory.mktemp("vllm-tp")
+    extra = {"handshake_timeout": 60, "transfer_timeout": 180}
+    p, d = start(
+        [
+            Engine(
+                "prefill-tp1", "0", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL
+            ),
+            Engine(
+                "decode-tp2",
+                "0|1",
+                {**extra, "side_channel_port": free_port()},
+                logdir,
+                model=MODEL,
+                opts={"tp": 2},
+            ),
+        ]
+    )
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+        print(f"engine logs: {logdir}")

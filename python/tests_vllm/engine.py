@@ -6,11 +6,14 @@ Commands: {"op": "generate", "requests": [{"prompt": [ids], "params": dict|null}
 kv_transfer_params, the finish reason, vLLM's id for it, and the monotonic clock when it was
 submitted and when its first token came; {"op": "external_tokens"} -> vLLM's count of prompt
 tokens loaded through the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero
-KV block, read from vLLM's own cache tensors in the worker; {"op": "metrics", "prefix": P} ->
+KV block, read from vLLM's own cache tensors in the worker; {"op": "kv_head_hashes"} -> per TP
+rank, per layer, per non-zero block, sha256 of each KV head's slice of the block (vLLM's CPU
+cache: [blocks, kv_heads, block_size, 2 * head_size]); {"op": "metrics", "prefix": P} ->
 vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"};
 {"op": "quit"}.
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
-`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8).
+`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8), `tp`
+(tensor parallel size, 1).
 """
 
 import json
@@ -30,6 +33,23 @@ def kv_hashes(worker: Any) -> dict[int, dict[int, str]]:
         blocks = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
         nonzero = blocks.any(dim=1).nonzero().flatten().tolist()
         out[layer] = {b: hashlib.sha256(blocks[b].numpy().tobytes()).hexdigest() for b in nonzero}
+    return out
+
+
+def kv_head_hashes(worker: Any) -> dict[int, dict[int, list[str]]]:
+    """Runs in each TP worker: per layer and non-zero block, one hash per KV head (dim 1)."""
+    import hashlib
+
+    import torch
+
+    out: dict[int, dict[int, list[str]]] = {}
+    for layer, t in enumerate(worker.model_runner.kv_caches):
+        raw = t.contiguous().view(torch.uint8)  # [blocks, heads, tokens, bytes]
+        nonzero = raw.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        out[layer] = {
+            b: [hashlib.sha256(raw[b, h].numpy().tobytes()).hexdigest() for h in range(t.shape[1])]
+            for b in nonzero
+        }
     return out
 
 
@@ -54,6 +74,7 @@ def main() -> None:
         block_size=32,
         enforce_eager=True,
         enable_prefix_caching=bool(opts.get("prefix_caching", False)),
+        tensor_parallel_size=int(opts.get("tp", 1)),
         disable_log_stats=False,
         kv_transfer_config=ktc,
     )
@@ -86,6 +107,9 @@ def main() -> None:
             continue
         if op == "kv_hashes":
             reply(llm.collective_rpc(kv_hashes)[0])
+            continue
+        if op == "kv_head_hashes":
+            reply(llm.collective_rpc(kv_head_hashes))
             continue
         if op == "reset_prefix_cache":
             reply(llm.reset_prefix_cache())

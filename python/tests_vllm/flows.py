@@ -32,8 +32,10 @@ def decode_cmd(prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
     return {"op": "generate", "max_tokens": DECODE_TOKENS, "requests": reqs}
 
 
-def decode(d: Engine, prompts: list[list[int]], params: list[Any]) -> list[dict[str, Any]]:
-    return d.call(decode_cmd(prompts, params))
+def decode(
+    d: Engine, prompts: list[list[int]], params: list[Any], timeout: float = 120
+) -> list[dict[str, Any]]:
+    return d.call(decode_cmd(prompts, params), timeout=timeout)
 
 
 def assert_same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
