@@ -15,6 +15,7 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
 
 use super::buffers::PushBuffers;
+use super::decode_room::DecodeRoom;
 use super::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, PushNote, RankInfo, RegisterArgs,
     RoomRequest, ToPrefill, ToRegistry,
@@ -65,74 +66,6 @@ type Registered = HashSet<(u32, u32)>;
 
 /// A bootstrap's result: prefill instance, its ranks, and where we are registered.
 type Bootstrapped = (u64, Vec<RankInfo>, Registered);
-
-/// A writer of this decode rank's data: prefill agent and its PP stage.
-type Writer = (String, u32);
-
-struct Expectation {
-    writers: HashSet<Writer>,
-    aux_from: Option<String>,
-    state_stages: u32,
-}
-
-struct DecodeRoom {
-    addr: Addr,
-    status: RoomStatus,
-    created: Duration,
-    pages: Vec<u32>,
-    aux_index: Option<u32>,
-    state_indices: Vec<u32>,
-    expect: Option<Expectation>,
-    /// Per writer: chunks noted, and the id of its last chunk once noted.
-    chunks: HashMap<Writer, (HashSet<u32>, Option<u32>)>,
-    /// Agents that noted aux data (only the expected one counts).
-    aux: HashSet<String>,
-    /// Writers that noted state data (only expected writers count, once per stage).
-    states: HashSet<Writer>,
-    /// Agents that noted an abort (only the room's prefill ranks count).
-    aborts: HashSet<String>,
-    ranks: Vec<RankInfo>,
-    error: Option<String>,
-}
-
-impl DecodeRoom {
-    fn fail(&mut self, reason: String) {
-        if !self.status.is_final() {
-            tracing::warn!(%reason, "push room failed on decode");
-            self.error.get_or_insert(reason);
-            self.status = RoomStatus::Failed;
-        }
-    }
-
-    fn complete(&self) -> bool {
-        let Some(e) = &self.expect else { return false };
-        let kv = e.writers.iter().all(|w| match self.chunks.get(w) {
-            // Every chunk 0..=last, and no other.
-            Some((got, Some(last))) => {
-                got.len() as u64 == u64::from(*last) + 1 && got.iter().all(|c| c <= last)
-            }
-            _ => false,
-        });
-        let aux = e.aux_from.as_ref().is_none_or(|a| self.aux.contains(a));
-        let stages: HashSet<u32> = self
-            .states
-            .iter()
-            .filter(|w| e.writers.contains(*w))
-            .map(|w| w.1)
-            .collect();
-        kv && aux && stages.len() as u32 >= e.state_stages
-    }
-
-    /// Whether `agent` is one of the room's prefill ranks; before the bootstrap named them,
-    /// nobody can be ruled out (notes may overtake the bootstrap's reply).
-    fn may_write(&self, agent: &str) -> bool {
-        self.ranks.is_empty() || self.ranks.iter().any(|r| r.agent == agent)
-    }
-
-    fn aborted_by_prefill(&self) -> bool {
-        self.ranks.iter().any(|r| self.aborts.contains(&r.agent))
-    }
-}
 
 enum Job {
     Bootstrap {
@@ -275,21 +208,13 @@ impl<T: Transport> PushDecode<T> {
             .map(|p| (p.instance, p.registered.clone()));
         self.rooms.insert(
             room,
-            DecodeRoom {
-                addr: addr.clone(),
-                status: RoomStatus::Bootstrapping,
-                created: self.clock.now(),
+            DecodeRoom::new(
+                addr.clone(),
+                self.clock.now(),
                 pages,
                 aux_index,
                 state_indices,
-                expect: None,
-                chunks: HashMap::new(),
-                aux: HashSet::new(),
-                states: HashSet::new(),
-                aborts: HashSet::new(),
-                ranks: Vec::new(),
-                error: None,
-            },
+            ),
         );
         self.submit(Job::Bootstrap {
             room,
@@ -307,12 +232,14 @@ impl<T: Transport> PushDecode<T> {
 
     /// Status of a room.
     pub fn status(&self, room: u64) -> Option<RoomStatus> {
-        self.rooms.get(&room).map(|r| r.status)
+        self.rooms.get(&room).map(DecodeRoom::status)
     }
 
     /// Why a room failed.
     pub fn error(&self, room: u64) -> Option<String> {
-        self.rooms.get(&room).and_then(|r| r.error.clone())
+        self.rooms
+            .get(&room)
+            .and_then(|r| r.error().map(str::to_string))
     }
 
     /// Forgets a room.
@@ -326,7 +253,7 @@ impl<T: Transport> PushDecode<T> {
             return;
         };
         r.fail("aborted by the decode engine".into());
-        let ranks = r.ranks.clone();
+        let ranks = r.ranks().to_vec();
         self.submit(Job::Abort { room, ranks });
     }
 
@@ -342,18 +269,7 @@ impl<T: Transport> PushDecode<T> {
         }
         let now = self.clock.now();
         for (id, r) in &mut self.rooms {
-            if r.aborted_by_prefill() {
-                r.fail("aborted by the prefill".into());
-            }
-            if !r.status.is_final() && r.complete() {
-                r.status = RoomStatus::Success;
-            }
-            if !r.status.is_final() && now.saturating_sub(r.created) > self.config.waiting_timeout {
-                r.fail(format!(
-                    "room {id} waited longer than {:?}",
-                    self.config.waiting_timeout
-                ));
-            }
+            r.advance(*id, now, self.config.waiting_timeout);
         }
         self.heartbeat(now);
     }
@@ -380,17 +296,8 @@ impl<T: Transport> PushDecode<T> {
                     p.registered.clear();
                 }
                 p.registered.extend(registered);
-                let expect =
-                    expectation(&ranks, self.config.tp, self.sharding, self.rooms.get(&room));
                 if let Some(r) = self.rooms.get_mut(&room) {
-                    match expect {
-                        Ok(e) => {
-                            r.expect = Some(e);
-                            r.ranks = ranks;
-                            r.status = r.status.update(RoomStatus::WaitingForInput);
-                        }
-                        Err(reason) => r.fail(reason),
-                    }
+                    r.bootstrapped(ranks, self.config.tp, self.sharding);
                 }
             }
             Done::BootstrapFailed { room, reason } => {
@@ -438,34 +345,8 @@ impl<T: Transport> PushDecode<T> {
             self.unknown_notifications.tally(1);
             return;
         };
-        if !r.may_write(from) {
-            // Not one of the room's prefill ranks: it can neither complete nor fail it.
+        if !r.note(from, &note) {
             self.unknown_notifications.tally(1);
-            return;
-        }
-        match note {
-            PushNote::Kv {
-                chunk,
-                is_last,
-                pp_rank,
-                ..
-            } => {
-                let entry = r.chunks.entry((from.to_string(), pp_rank)).or_default();
-                entry.0.insert(chunk);
-                if is_last {
-                    entry.1 = Some(chunk);
-                }
-                r.status = r.status.update(RoomStatus::Transferring);
-            }
-            PushNote::Aux { .. } => {
-                r.aux.insert(from.to_string());
-            }
-            PushNote::State { pp_rank, .. } => {
-                r.states.insert((from.to_string(), pp_rank));
-            }
-            PushNote::Abort { .. } => {
-                r.aborts.insert(from.to_string());
-            }
         }
     }
 
@@ -474,7 +355,7 @@ impl<T: Transport> PushDecode<T> {
         let busy: HashSet<Addr> = self
             .rooms
             .values()
-            .filter(|r| !r.status.is_final())
+            .filter(|r| !r.status().is_final())
             .map(|r| r.addr.clone())
             .collect();
         let mut probes = Vec::new();
@@ -498,55 +379,6 @@ impl<T: Transport> Drop for PushDecode<T> {
             let _ = t.join();
         }
     }
-}
-
-/// Which prefill ranks write into decode rank `tp.0`, and who sends aux and state.
-fn expectation(
-    ranks: &[RankInfo],
-    tp: (u32, u32),
-    sharding: HeadSharding,
-    room: Option<&DecodeRoom>,
-) -> Result<Expectation, String> {
-    let first = ranks.first().ok_or("the prefill registered no ranks")?;
-    let mapping = TpMapping::new(first.tp_size, tp.1, sharding).map_err(|e| e.to_string())?;
-    let links = mapping.links_for_decode(tp.0).map_err(|e| e.to_string())?;
-    let data: Vec<u32> = links
-        .iter()
-        .filter(|l| matches!(l.kind, LinkKind::Data(_)))
-        .map(|l| l.prefill_rank)
-        .collect();
-    let agent = |tp_rank: u32, pp_rank: u32| {
-        ranks
-            .iter()
-            .find(|r| r.tp_rank == tp_rank && r.pp_rank == pp_rank)
-            .map(|r| r.agent.clone())
-    };
-    let dummy = room.is_some_and(|r| r.pages.is_empty());
-    let mut writers = HashSet::new();
-    if !dummy {
-        for pp in 0..first.pp_size {
-            for &q in &data {
-                writers.insert((
-                    agent(q, pp).ok_or(format!("prefill rank tp {q} pp {pp} missing"))?,
-                    pp,
-                ));
-            }
-        }
-    }
-    let lead = data.iter().min().copied();
-    let wants_aux = !dummy && room.is_some_and(|r| r.aux_index.is_some());
-    let wants_state = !dummy && room.is_some_and(|r| !r.state_indices.is_empty());
-    Ok(Expectation {
-        writers,
-        aux_from: if wants_aux {
-            // The lead writer of the last stage.
-            lead.zip(first.pp_size.checked_sub(1))
-                .and_then(|(q, last)| agent(q, last))
-        } else {
-            None
-        },
-        state_stages: if wants_state { first.pp_size } else { 0 },
-    })
 }
 
 /// The control thread's side: blocking side-channel requests, each bounded by a timeout.

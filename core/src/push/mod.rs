@@ -4,6 +4,7 @@
 
 mod buffers;
 mod decode;
+pub mod decode_room;
 pub mod messages;
 mod prefill;
 mod registry;

@@ -1,0 +1,242 @@
+//! One room on the decode side of the push connector, without I/O: who must write into this
+//! decode rank (from the prefill's layout), which chunk, aux, state and abort notes arrived
+//! from whom, and when the room succeeds, fails or times out. [`super::PushDecode`] feeds it
+//! from its control thread and transport; the `push_decode_room` fuzz target drives it with
+//! arbitrary layouts and notes.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
+
+use super::messages::{PushNote, RankInfo};
+use super::status::RoomStatus;
+
+/// A writer of this decode rank's data: prefill agent and its PP stage.
+type Writer = (String, u32);
+
+/// What a room needs before it is complete.
+#[derive(Debug)]
+struct Expectation {
+    writers: HashSet<Writer>,
+    aux_from: Option<String>,
+    state_stages: u32,
+}
+
+/// One room of a decode rank.
+#[derive(Debug)]
+pub struct DecodeRoom {
+    pub(super) addr: (String, u16),
+    status: RoomStatus,
+    created: Duration,
+    pages: Vec<u32>,
+    aux_index: Option<u32>,
+    state_indices: Vec<u32>,
+    expect: Option<Expectation>,
+    /// Per writer: chunks noted, and the id of its last chunk once noted.
+    chunks: HashMap<Writer, (HashSet<u32>, Option<u32>)>,
+    /// Agents that noted aux data (only the expected one counts).
+    aux: HashSet<String>,
+    /// Writers that noted state data (only expected writers count, once per stage).
+    states: HashSet<Writer>,
+    /// Agents that noted an abort (only the room's prefill ranks count).
+    aborts: HashSet<String>,
+    ranks: Vec<RankInfo>,
+    error: Option<String>,
+}
+
+impl DecodeRoom {
+    /// A room bootstrapping from the prefill at `addr`, created at `created` (the
+    /// connector's clock): destination `pages` (empty for a rank that only completes its
+    /// status), `aux_index`, `state_indices`.
+    pub fn new(
+        addr: (String, u16),
+        created: Duration,
+        pages: Vec<u32>,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+    ) -> Self {
+        DecodeRoom {
+            addr,
+            status: RoomStatus::Bootstrapping,
+            created,
+            pages,
+            aux_index,
+            state_indices,
+            expect: None,
+            chunks: HashMap::new(),
+            aux: HashSet::new(),
+            states: HashSet::new(),
+            aborts: HashSet::new(),
+            ranks: Vec::new(),
+            error: None,
+        }
+    }
+
+    /// The room's status.
+    pub fn status(&self) -> RoomStatus {
+        self.status
+    }
+
+    /// Why the room failed.
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+
+    /// The prefill ranks named by the bootstrap (empty before it).
+    pub fn ranks(&self) -> &[RankInfo] {
+        &self.ranks
+    }
+
+    /// Fails the room unless it is final already; the first reason is kept.
+    pub fn fail(&mut self, reason: String) {
+        if !self.status.is_final() {
+            tracing::warn!(%reason, "push room failed on decode");
+            self.error.get_or_insert(reason);
+            self.status = RoomStatus::Failed;
+        }
+    }
+
+    /// The bootstrap named the prefill's `ranks` (checked by `messages::check_layout`):
+    /// learns who writes into decode rank `tp.0` of `tp.1`, or fails the room if the layout
+    /// cannot serve it.
+    pub fn bootstrapped(&mut self, ranks: Vec<RankInfo>, tp: (u32, u32), sharding: HeadSharding) {
+        match self.expectation(&ranks, tp, sharding) {
+            Ok(e) => {
+                self.expect = Some(e);
+                self.ranks = ranks;
+                self.status = self.status.update(RoomStatus::WaitingForInput);
+            }
+            Err(reason) => self.fail(reason),
+        }
+    }
+
+    /// Records `note` from agent `from`; false (nothing recorded) when `from` is not one of
+    /// the room's prefill ranks.
+    pub fn note(&mut self, from: &str, note: &PushNote) -> bool {
+        if !self.may_write(from) {
+            // Not one of the room's prefill ranks: it can neither complete nor fail it.
+            return false;
+        }
+        match *note {
+            PushNote::Kv {
+                chunk,
+                is_last,
+                pp_rank,
+                ..
+            } => {
+                let entry = self.chunks.entry((from.to_string(), pp_rank)).or_default();
+                entry.0.insert(chunk);
+                if is_last {
+                    entry.1 = Some(chunk);
+                }
+                self.status = self.status.update(RoomStatus::Transferring);
+            }
+            PushNote::Aux { .. } => {
+                self.aux.insert(from.to_string());
+            }
+            PushNote::State { pp_rank, .. } => {
+                self.states.insert((from.to_string(), pp_rank));
+            }
+            PushNote::Abort { .. } => {
+                self.aborts.insert(from.to_string());
+            }
+        }
+        true
+    }
+
+    /// Moves the room on at `now`: failed if one of its prefill ranks aborted it, complete
+    /// once every expected note arrived, failed once it waited longer than
+    /// `waiting_timeout`. `id` names the room in the failure.
+    pub fn advance(&mut self, id: u64, now: Duration, waiting_timeout: Duration) {
+        if self.aborted_by_prefill() {
+            self.fail("aborted by the prefill".into());
+        }
+        if !self.status.is_final() && self.complete() {
+            self.status = RoomStatus::Success;
+        }
+        if !self.status.is_final() && now.saturating_sub(self.created) > waiting_timeout {
+            self.fail(format!("room {id} waited longer than {waiting_timeout:?}"));
+        }
+    }
+
+    fn complete(&self) -> bool {
+        let Some(e) = &self.expect else { return false };
+        let kv = e.writers.iter().all(|w| match self.chunks.get(w) {
+            // Every chunk 0..=last, and no other.
+            Some((got, Some(last))) => {
+                got.len() as u64 == u64::from(*last) + 1 && got.iter().all(|c| c <= last)
+            }
+            _ => false,
+        });
+        let aux = e.aux_from.as_ref().is_none_or(|a| self.aux.contains(a));
+        let stages: HashSet<u32> = self
+            .states
+            .iter()
+            .filter(|w| e.writers.contains(*w))
+            .map(|w| w.1)
+            .collect();
+        kv && aux && stages.len() as u32 >= e.state_stages
+    }
+
+    /// Whether `agent` is one of the room's prefill ranks; before the bootstrap named them,
+    /// nobody can be ruled out (notes may overtake the bootstrap's reply).
+    fn may_write(&self, agent: &str) -> bool {
+        self.ranks.is_empty() || self.ranks.iter().any(|r| r.agent == agent)
+    }
+
+    fn aborted_by_prefill(&self) -> bool {
+        self.ranks.iter().any(|r| self.aborts.contains(&r.agent))
+    }
+
+    /// Which prefill ranks write into decode rank `tp.0`, and who sends aux and state.
+    fn expectation(
+        &self,
+        ranks: &[RankInfo],
+        tp: (u32, u32),
+        sharding: HeadSharding,
+    ) -> Result<Expectation, String> {
+        let first = ranks.first().ok_or("the prefill registered no ranks")?;
+        let mapping = TpMapping::new(first.tp_size, tp.1, sharding).map_err(|e| e.to_string())?;
+        let links = mapping.links_for_decode(tp.0).map_err(|e| e.to_string())?;
+        let data: Vec<u32> = links
+            .iter()
+            .filter(|l| matches!(l.kind, LinkKind::Data(_)))
+            .map(|l| l.prefill_rank)
+            .collect();
+        let agent = |tp_rank: u32, pp_rank: u32| {
+            ranks
+                .iter()
+                .find(|r| r.tp_rank == tp_rank && r.pp_rank == pp_rank)
+                .map(|r| r.agent.clone())
+        };
+        let dummy = self.pages.is_empty();
+        let mut writers = HashSet::new();
+        if !dummy {
+            for pp in 0..first.pp_size {
+                for &q in &data {
+                    writers.insert((
+                        agent(q, pp).ok_or(format!("prefill rank tp {q} pp {pp} missing"))?,
+                        pp,
+                    ));
+                }
+            }
+        }
+        let lead = data.iter().min().copied();
+        let wants_aux = !dummy && self.aux_index.is_some();
+        let wants_state = !dummy && !self.state_indices.is_empty();
+        Ok(Expectation {
+            writers,
+            aux_from: if wants_aux {
+                // The lead writer of the last stage.
+                lead.zip(first.pp_size.checked_sub(1))
+                    .and_then(|(q, last)| agent(q, last))
+            } else {
+                None
+            },
+            state_stages: if wants_state { first.pp_size } else { 0 },
+        })
+    }
+}
