@@ -20,6 +20,7 @@ use kvxfer_layout::{CacheSide, CacheSpec, LayoutError, TpMapping, TransferPlan};
 
 use super::block_lists::BlockLists;
 use super::config::{FailurePolicy, KvCache, PullConfig};
+use super::holds::Holds;
 use super::metrics::PullMetrics;
 use super::scheduler::{RecvRequest, StepMeta};
 use crate::clock::Clock;
@@ -134,8 +135,7 @@ pub struct PullWorker<T: Transport> {
     queued: HashMap<String, Vec<RecvRequest>>,
     loads: HashMap<String, Load>,
     orphans: Vec<XferId>,
-    held: HashMap<String, Held>,
-    early: HashMap<String, Held>,
+    holds: Holds,
     outcomes: (Sender<Outcome>, Receiver<Outcome>),
     threads: Vec<JoinHandle<()>>,
     finished: Finished,
@@ -153,7 +153,6 @@ mod holds;
 mod loads;
 
 use crate::tally::Tally;
-use holds::Held;
 
 impl<T: Transport> PullWorker<T> {
     /// Registers `cache` with `transport` and starts this rank's side-channel listener.
@@ -207,6 +206,7 @@ impl<T: Transport> PullWorker<T> {
         let readers = listener.readers();
         Ok(PullWorker {
             transport,
+            holds: Holds::new(config.lease),
             config,
             cache,
             clock,
@@ -218,8 +218,6 @@ impl<T: Transport> PullWorker<T> {
             queued: HashMap::new(),
             loads: HashMap::new(),
             orphans: Vec::new(),
-            held: HashMap::new(),
-            early: HashMap::new(),
             outcomes: unbounded(),
             threads: Vec::new(),
             finished: Finished::default(),
@@ -331,7 +329,7 @@ impl<T: Transport> PullWorker<T> {
         !self.shut_down
             && (!self.loads.is_empty()
                 || self.queued.values().any(|q| !q.is_empty())
-                || !self.held.is_empty())
+                || self.holds.held() > 0)
     }
     /// Releases every transfer, peer, listener and registration. Idempotent.
     pub fn shutdown(&mut self) {
@@ -361,8 +359,7 @@ impl<T: Transport> PullWorker<T> {
         }
         self.registrations.clear();
         self.queued.clear();
-        self.held.clear();
-        self.early.clear();
+        self.holds.clear();
     }
 }
 

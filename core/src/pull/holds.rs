@@ -1,0 +1,207 @@
+//! The prefill side's holds, without I/O: a finished request's blocks stay held until every
+//! reader noted its READ (each sender counted once, all naming the same reader count) or
+//! its lease expired; heartbeats extend the lease; notes that arrive before the hold are
+//! kept for a lease and counted when it starts. [`super::PullWorker`] feeds it the notes of
+//! agents that fetched its metadata; the `pull_holds` fuzz target drives it directly.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::notify::PullNote;
+
+/// Most requests with early notes (notes before their hold) kept at once; notes for further
+/// requests are refused, so a flood of made-up request ids cannot grow memory without bound.
+pub const MAX_EARLY: usize = 1 << 16;
+
+#[derive(Debug)]
+struct Held {
+    readers: Option<u32>,
+    /// The agents whose read-done notes were counted, each once.
+    senders: Vec<String>,
+    deadline: Duration,
+}
+
+impl Held {
+    fn new(deadline: Duration) -> Self {
+        Held {
+            readers: None,
+            senders: Vec::new(),
+            deadline,
+        }
+    }
+
+    /// Counts `from`'s note naming `readers`; false (nothing counted) for a sender already
+    /// counted or a reader count that contradicts the first note's.
+    fn count(&mut self, from: &str, readers: u32) -> bool {
+        if self.readers.is_some_and(|r| r != readers) || self.senders.iter().any(|s| s == from) {
+            return false;
+        }
+        self.readers = Some(readers);
+        self.senders.push(from.to_string());
+        true
+    }
+
+    fn all_read(&self) -> bool {
+        self.readers
+            .is_some_and(|r| self.senders.len() >= r as usize)
+    }
+}
+
+/// The holds of one prefill rank. Requests freed are appended to the `freed` list each
+/// method takes (the worker's `Finished::sending`).
+#[derive(Debug)]
+pub struct Holds {
+    lease: Duration,
+    held: HashMap<String, Held>,
+    early: HashMap<String, Held>,
+}
+
+impl Holds {
+    /// No holds; each lasts `lease` past its start or its last heartbeat.
+    pub fn new(lease: Duration) -> Self {
+        Holds {
+            lease,
+            held: HashMap::new(),
+            early: HashMap::new(),
+        }
+    }
+
+    /// Holds `req_id`'s blocks from `now`, counting the notes that came before; frees it at
+    /// once if those were all its readers. A request already held keeps its hold.
+    pub fn hold(&mut self, req_id: &str, now: Duration, freed: &mut Vec<String>) {
+        if self.held.contains_key(req_id) {
+            return;
+        }
+        let mut held = Held::new(now.saturating_add(self.lease));
+        if let Some(early) = self.early.remove(req_id) {
+            held.senders = early.senders;
+            held.readers = early.readers;
+        }
+        self.hold_or_free(req_id.to_string(), held, freed);
+    }
+
+    /// Applies `note` from agent `from` at `now`; false when it was refused (a repeat, a
+    /// contradicting reader count, or no room for another early request).
+    pub fn note(
+        &mut self,
+        from: &str,
+        note: &PullNote<'_>,
+        now: Duration,
+        freed: &mut Vec<String>,
+    ) -> bool {
+        match *note {
+            PullNote::Read { req_id, readers } => {
+                if let Some(mut held) = self.held.remove(req_id) {
+                    let counted = held.count(from, readers);
+                    self.hold_or_free(req_id.to_string(), held, freed);
+                    return counted;
+                }
+                // Arrived before the scheduler told us to hold: keep it for a lease.
+                if !self.early.contains_key(req_id) && self.early.len() >= MAX_EARLY {
+                    return false;
+                }
+                let lease = self.lease;
+                self.early
+                    .entry(req_id.to_string())
+                    .or_insert_with(|| Held::new(now.saturating_add(lease)))
+                    .count(from, readers)
+            }
+            PullNote::Heartbeat { req_id } => {
+                if let Some(h) = self.held.get_mut(req_id) {
+                    h.deadline = now.saturating_add(self.lease);
+                }
+                true
+            }
+        }
+    }
+
+    /// Frees every hold whose lease ran out by `now` and forgets early notes a lease old;
+    /// returns the number of holds freed so.
+    pub fn expire(&mut self, now: Duration, freed: &mut Vec<String>) -> u64 {
+        let expired: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let n = expired.len() as u64;
+        for id in expired {
+            self.held.remove(&id);
+            tracing::warn!(req = %id, "lease expired: freeing blocks no decode read");
+            freed.push(id);
+        }
+        self.early.retain(|_, h| h.deadline > now);
+        n
+    }
+
+    /// Whether `req_id` is held.
+    pub fn is_held(&self, req_id: &str) -> bool {
+        self.held.contains_key(req_id)
+    }
+
+    /// Requests held.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Requests with early notes kept.
+    pub fn early(&self) -> usize {
+        self.early.len()
+    }
+
+    /// Forgets every hold and early note (shutdown).
+    pub fn clear(&mut self) {
+        self.held.clear();
+        self.early.clear();
+    }
+
+    fn hold_or_free(&mut self, req_id: String, held: Held, freed: &mut Vec<String>) {
+        if held.all_read() {
+            freed.push(req_id);
+        } else {
+            self.held.insert(req_id, held);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    fn read(req_id: &str, readers: u32) -> PullNote<'_> {
+        PullNote::Read { req_id, readers }
+    }
+
+    #[test]
+    fn early_notes_are_bounded_and_those_already_kept_still_count() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        for i in 0..MAX_EARLY {
+            assert!(h.note("d", &read(&format!("r{i}"), 2), Duration::ZERO, &mut freed));
+        }
+        assert!(!h.note("d", &read("one-more", 2), Duration::ZERO, &mut freed));
+        assert_eq!(h.early(), MAX_EARLY);
+        // A second reader of a request already kept is still counted, and its hold frees it.
+        assert!(h.note("e", &read("r0", 2), Duration::ZERO, &mut freed));
+        h.hold("r0", Duration::ZERO, &mut freed);
+        assert_eq!(freed, ["r0"]);
+        assert_eq!(h.early(), MAX_EARLY - 1);
+        h.expire(LEASE, &mut freed);
+        assert_eq!(h.early(), 0, "early notes are forgotten after a lease");
+    }
+
+    #[test]
+    fn holding_twice_keeps_the_first_hold() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        h.hold("r", Duration::ZERO, &mut freed);
+        assert!(h.note("d", &read("r", 2), Duration::ZERO, &mut freed));
+        h.hold("r", Duration::ZERO, &mut freed);
+        assert!(h.note("e", &read("r", 2), Duration::ZERO, &mut freed));
+        assert_eq!(freed, ["r"], "the second hold forgot the first note");
+    }
+}
