@@ -9,6 +9,7 @@
 //! the contract says; NIXL's own agent lock serializes post, status and notification calls.
 #![warn(missing_docs)]
 
+pub mod metadata;
 #[cfg(feature = "nixl")]
 mod transport;
 

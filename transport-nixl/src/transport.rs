@@ -15,7 +15,7 @@ use nixl_sys::{
     RegistrationHandle, XferDescList, XferDlistHandle, XferOp, XferRequest,
 };
 
-use crate::{INSTALL_HINT, runtime_available};
+use crate::{INSTALL_HINT, metadata, runtime_available};
 
 /// Settings of a NIXL agent.
 #[derive(Debug, Clone)]
@@ -177,8 +177,6 @@ pub struct NixlTransport {
     xfers: HashMap<XferId, Xfer>,
     next_id: u64,
 }
-
-const MAGIC: &[u8; 4] = b"KVXN";
 
 impl NixlTransport {
     /// A new agent with the default backend (UCX).
@@ -407,76 +405,6 @@ fn desc_list(kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<XferDesc
     Ok(l)
 }
 
-fn encode_meta(name: &str, regions: &[(MemoryKind, AddrRange)], nixl: &[u8]) -> Vec<u8> {
-    let mut out = MAGIC.to_vec();
-    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    out.extend_from_slice(name.as_bytes());
-    out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
-    for (k, r) in regions {
-        let (tag, device) = match k {
-            MemoryKind::Host => (0u8, 0u32),
-            MemoryKind::Gpu { device } => (1, *device),
-        };
-        out.push(tag);
-        out.extend_from_slice(&device.to_le_bytes());
-        out.extend_from_slice(&r.addr.to_le_bytes());
-        out.extend_from_slice(&r.len.to_le_bytes());
-    }
-    out.extend_from_slice(nixl);
-    out
-}
-
-type Decoded<'a> = (String, Vec<(MemoryKind, AddrRange)>, &'a [u8]);
-
-fn decode_meta(bytes: &[u8]) -> Result<Decoded<'_>, String> {
-    let mut at = 0usize;
-    let mut take = |n: usize| -> Result<&[u8], String> {
-        let end = at
-            .checked_add(n)
-            .filter(|&e| e <= bytes.len())
-            .ok_or("truncated metadata")?;
-        let s = &bytes[at..end];
-        at = end;
-        Ok(s)
-    };
-    if take(4)? != MAGIC {
-        return Err("not kvxfer NIXL metadata".into());
-    }
-    let u32_at = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-    let name_len = u32_at(take(4)?) as usize;
-    if name_len == 0 || name_len > 256 {
-        return Err(format!("agent name length {name_len}"));
-    }
-    let name = std::str::from_utf8(take(name_len)?)
-        .map_err(|_| "agent name is not UTF-8")?
-        .to_string();
-    let count = u32_at(take(4)?) as usize;
-    if count > 1 << 16 {
-        return Err(format!("{count} regions"));
-    }
-    let mut regions = Vec::with_capacity(count);
-    for _ in 0..count {
-        let tag = take(1)?[0];
-        let device = u32_at(take(4)?);
-        let addr = u64::from_le_bytes(take(8)?.try_into().map_err(|_| "truncated")?);
-        let len = u64::from_le_bytes(take(8)?.try_into().map_err(|_| "truncated")?);
-        let kind = match tag {
-            0 => MemoryKind::Host,
-            1 => MemoryKind::Gpu { device },
-            t => return Err(format!("memory kind tag {t}")),
-        };
-        if addr.checked_add(len).is_none() {
-            return Err("region wraps around".into());
-        }
-        regions.push((kind, AddrRange::new(addr, len)));
-    }
-    let rest = &bytes[at..];
-    if rest.is_empty() {
-        return Err("no NIXL metadata".into());
-    }
-    Ok((name, regions, rest))
-}
-
 impl Transport for NixlTransport {
     fn name(&self) -> &str {
         &self.name
@@ -531,12 +459,15 @@ impl Transport for NixlTransport {
             .agent
             .get_local_md()
             .map_err(|e| backend_err("metadata", e))?;
-        Ok(encode_meta(&self.name, &self.regions.list(), &nixl))
+        Ok(metadata::encode(&self.name, &self.regions.list(), &nixl))
     }
 
     fn load_peer(&mut self, metadata: &[u8]) -> TransportResult<PeerId> {
-        let (name, advertised, nixl) =
-            decode_meta(metadata).map_err(TransportError::InvalidMetadata)?;
+        let metadata::Decoded {
+            name,
+            regions: advertised,
+            nixl,
+        } = metadata::decode(metadata).map_err(TransportError::InvalidMetadata)?;
         if let Some((&id, _)) = self.peers.iter().find(|(_, p)| p.name == name) {
             // Same name: a restart or a refresh. Drop the old one and its lists.
             self.remove_peer(id)?;
