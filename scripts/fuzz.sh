@@ -15,8 +15,8 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 cargo build -q --release --target "$target"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(handshake push_messages notifications ucx_metadata transfer_params side_channel_auth
-        listener_request push_decode_room pull_holds)
+    targets=(handshake push_messages notifications ucx_metadata nixl_metadata transfer_params
+        side_channel_auth listener_request push_decode_room pull_holds)
 fi
 for t in "${targets[@]}"; do
     corpus="corpus/$t"
