@@ -7,6 +7,7 @@ mod decode;
 pub mod decode_room;
 pub mod messages;
 mod prefill;
+pub mod prefill_room;
 mod registry;
 mod status;
 

@@ -19,6 +19,7 @@ use super::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
     ToPrefill, ToRegistry,
 };
+use super::prefill_room::PrefillRoom;
 use super::registry::ask_registry;
 use super::status::RoomStatus;
 use crate::clock::Clock;
@@ -53,44 +54,6 @@ struct Decode {
     args: RegisterArgs,
     spec: CacheSpec,
     mapping: TpMapping,
-}
-
-struct Room {
-    status: RoomStatus,
-    created: Duration,
-    total: Option<usize>,
-    aux_index: Option<u32>,
-    state_indices: Vec<u32>,
-    dests: HashMap<String, RoomRequest>,
-    sent: usize,
-    chunk: u32,
-    xfers: Vec<XferId>,
-    last_sent: bool,
-    error: Option<String>,
-}
-
-impl Room {
-    fn new(now: Duration) -> Self {
-        Room {
-            status: RoomStatus::Bootstrapping,
-            created: now,
-            total: None,
-            aux_index: None,
-            state_indices: Vec::new(),
-            dests: HashMap::new(),
-            sent: 0,
-            chunk: 0,
-            xfers: Vec::new(),
-            last_sent: false,
-            error: None,
-        }
-    }
-
-    fn fail(&mut self, reason: String) {
-        tracing::warn!(%reason, "push room failed");
-        self.error.get_or_insert(reason);
-        self.status = RoomStatus::Failed;
-    }
 }
 
 /// Errors of the engine-facing calls.
@@ -132,7 +95,7 @@ pub struct PushPrefill<T: Transport> {
     mailbox: MessageServer,
     inbox: Receiver<ToPrefill>,
     decodes: HashMap<String, Decode>,
-    rooms: HashMap<u64, Room>,
+    rooms: HashMap<u64, PrefillRoom>,
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
     refused: u64,
@@ -257,7 +220,7 @@ impl<T: Transport> PushPrefill<T> {
         let failed = self
             .rooms
             .values()
-            .filter(|r| r.status == RoomStatus::Failed)
+            .filter(|r| r.status() == RoomStatus::Failed)
             .count() as u64;
         let mut m = std::mem::take(&mut self.metrics);
         m.failed_rooms = failed;
@@ -280,30 +243,19 @@ impl<T: Transport> PushPrefill<T> {
         let now = self.clock.now();
         // Destinations that asked before the engine added the room count now.
         let required = self.rooms.get(&room).and_then(|r| {
-            r.dests
-                .keys()
+            r.dest_agents()
                 .find_map(|agent| self.decodes.get(agent))
                 .and_then(|d| d.mapping.notifications_per_request(self.config.tp.0).ok())
         });
-        let r = self.rooms.entry(room).or_insert_with(|| Room::new(now));
-        r.total = Some(total_pages);
-        r.aux_index = aux_index;
-        r.state_indices = state_indices;
-        let reasons: Vec<String> = r
-            .dests
-            .values()
-            .filter_map(|d| validate_len(d, total_pages))
-            .collect();
-        if let Some(reason) = reasons.into_iter().next() {
-            r.fail(reason);
-        } else if required.is_some_and(|n| r.dests.len() >= n as usize) {
-            r.status = r.status.update(RoomStatus::WaitingForInput);
-        }
+        self.rooms
+            .entry(room)
+            .or_insert_with(|| PrefillRoom::new(now))
+            .set_engine(total_pages, aux_index, state_indices, required);
     }
 
     /// Status of a room.
     pub fn status(&self, room: u64) -> Option<RoomStatus> {
-        self.rooms.get(&room).map(|r| r.status)
+        self.rooms.get(&room).map(PrefillRoom::status)
     }
 
     /// Every room this rank knows, in any state.
@@ -317,7 +269,7 @@ impl<T: Transport> PushPrefill<T> {
         let mut v: Vec<u64> = self
             .rooms
             .iter()
-            .filter(|(_, r)| r.total.is_none() && !r.status.is_final() && !r.dests.is_empty())
+            .filter(|(_, r)| r.requested())
             .map(|(&id, _)| id)
             .collect();
         v.sort_unstable();
@@ -326,13 +278,15 @@ impl<T: Transport> PushPrefill<T> {
 
     /// Why a room failed.
     pub fn error(&self, room: u64) -> Option<String> {
-        self.rooms.get(&room).and_then(|r| r.error.clone())
+        self.rooms
+            .get(&room)
+            .and_then(|r| r.error().map(str::to_string))
     }
 
     /// Forgets a final room.
     pub fn remove_room(&mut self, room: u64) {
         if let Some(r) = self.rooms.remove(&room) {
-            for x in r.xfers {
+            for x in r.into_xfers() {
                 let _ = self.transport.release(x);
             }
         }
@@ -344,7 +298,7 @@ impl<T: Transport> PushPrefill<T> {
             return;
         };
         r.fail("aborted by the prefill engine".into());
-        let agents: Vec<String> = r.dests.keys().cloned().collect();
+        let agents: Vec<String> = r.dest_agents().map(str::to_string).collect();
         for a in agents {
             if let Some(d) = self.decodes.get(&a) {
                 let _ = self
@@ -362,15 +316,11 @@ impl<T: Transport> PushPrefill<T> {
         let now = self.clock.now();
         let timeout = self.config.bootstrap_timeout;
         for (id, r) in &mut self.rooms {
-            if r.status.is_final() {
-                continue;
-            }
-            if r.status == RoomStatus::Bootstrapping && now.saturating_sub(r.created) > timeout {
-                r.fail(format!("room {id} still bootstrapping after {timeout:?}"));
+            if r.status().is_final() || r.bootstrap_timed_out(*id, now, timeout) {
                 continue;
             }
             let mut still = Vec::new();
-            for x in std::mem::take(&mut r.xfers) {
+            for x in r.take_xfers() {
                 match self.transport.status(x) {
                     Ok(XferStatus::InProgress) => still.push(x),
                     Ok(XferStatus::Done) => {
@@ -386,19 +336,8 @@ impl<T: Transport> PushPrefill<T> {
                     Err(e) => r.fail(e.to_string()),
                 }
             }
-            r.xfers = still;
-            if r.status != RoomStatus::Failed && r.last_sent && r.xfers.is_empty() {
-                r.status = r.status.update(RoomStatus::Success);
-            }
-        }
-        // Rooms whose destinations are all dummies have nothing to send.
-        for r in self.rooms.values_mut() {
-            if r.status == RoomStatus::WaitingForInput
-                && r.dests.values().all(|d| d.pages.is_empty())
-            {
-                r.last_sent = true;
-                r.status = RoomStatus::Success;
-            }
+            r.keep_xfers(still);
+            r.settle();
         }
     }
 
@@ -413,13 +352,9 @@ impl<T: Transport> PushPrefill<T> {
             }
             ToPrefill::Room(req) => self.on_room(req),
             ToPrefill::Abort { room, agent } => {
-                if let Some(r) = self.rooms.get_mut(&room) {
-                    if r.dests.contains_key(&agent) {
-                        r.fail(format!("aborted by decode {agent}"));
-                        for x in std::mem::take(&mut r.xfers) {
-                            let _ = self.transport.release(x);
-                        }
-                    }
+                let xfers = self.rooms.get_mut(&room).and_then(|r| r.abort_by(&agent));
+                for x in xfers.into_iter().flatten() {
+                    let _ = self.transport.release(x);
                 }
             }
             ToPrefill::Health => {}
@@ -507,19 +442,10 @@ impl<T: Transport> PushPrefill<T> {
             .mapping
             .notifications_per_request(self.config.tp.0)
             .unwrap_or(1) as usize;
-        let room = self.rooms.entry(req.room).or_insert_with(|| Room::new(now));
-        if room.status.is_final() {
-            return;
-        }
-        let problem = problem.or_else(|| room.total.and_then(|t| validate_len(&req, t)));
-        room.dests.insert(req.agent.clone(), req);
-        match problem {
-            Some(reason) => room.fail(reason),
-            None if room.dests.len() >= required && room.total.is_some() => {
-                room.status = room.status.update(RoomStatus::WaitingForInput);
-            }
-            None => {}
-        }
+        self.rooms
+            .entry(req.room)
+            .or_insert_with(|| PrefillRoom::new(now))
+            .add_dest(req, problem, required);
     }
 
     /// Checks every index a decode sent against what that decode registered.
@@ -562,48 +488,24 @@ impl<T: Transport> PushPrefill<T> {
     /// Sends the next chunk of a room: `pages` are this rank's source pages, paired with the
     /// destinations' next pages. The chunk completing the room also carries aux and state.
     pub fn send(&mut self, room: u64, pages: &[u32]) -> Result<(), PushError> {
-        let r = self.rooms.get(&room).ok_or(PushError::UnknownRoom(room))?;
-        if !matches!(
-            r.status,
-            RoomStatus::WaitingForInput | RoomStatus::Transferring
-        ) {
-            return Err(PushError::NotReady {
-                room,
-                status: r.status,
-            });
-        }
-        let total = r.total.unwrap_or(0);
-        let left = total.saturating_sub(r.sent);
-        if pages.len() > left {
-            return Err(PushError::TooManyPages {
-                room,
-                given: pages.len(),
-                left,
-            });
-        }
-        let (start, chunk) = (r.sent, r.chunk);
-        let is_last = pages.len() == left;
-        let dests: Vec<RoomRequest> = r
-            .dests
-            .values()
-            .filter(|d| !d.pages.is_empty())
-            .cloned()
-            .collect();
-        let aux_index = r.aux_index;
-        let state_indices = r.state_indices.clone();
+        let chunk = self
+            .rooms
+            .get(&room)
+            .ok_or(PushError::UnknownRoom(room))?
+            .next_chunk(room, pages.len())?;
         let mut posted = Vec::new();
         let mut failure = None;
         let started = self.clock.now();
-        for dest in &dests {
+        for dest in &chunk.dests {
             match self.send_to(
                 dest,
                 room,
                 pages,
-                start,
-                chunk,
-                is_last,
-                aux_index,
-                &state_indices,
+                chunk.start,
+                chunk.id,
+                chunk.is_last,
+                chunk.aux_index,
+                &chunk.state_indices,
             ) {
                 Ok(mut x) => posted.append(&mut x),
                 Err(e) => {
@@ -620,19 +522,10 @@ impl<T: Transport> PushPrefill<T> {
             .rooms
             .get_mut(&room)
             .ok_or(PushError::UnknownRoom(room))?;
-        r.xfers.extend(posted);
+        r.chunk_posted(&chunk, posted, failure.clone());
         match failure {
-            Some(e) => {
-                r.fail(e.clone());
-                Err(PushError::Setup(e))
-            }
-            None => {
-                r.sent.tally(pages.len());
-                r.chunk.tally(1);
-                r.last_sent = is_last;
-                r.status = r.status.update(RoomStatus::Transferring);
-                Ok(())
-            }
+            Some(e) => Err(PushError::Setup(e)),
+            None => Ok(()),
         }
     }
 
@@ -797,14 +690,4 @@ fn items(
         }
     }
     Ok((l, r))
-}
-
-fn validate_len(d: &RoomRequest, total: usize) -> Option<String> {
-    (!d.pages.is_empty() && d.pages.len() != total).then(|| {
-        format!(
-            "decode {} sent {} pages for a room of {total}",
-            d.agent,
-            d.pages.len()
-        )
-    })
 }
