@@ -11,9 +11,10 @@ use kvxfer_core::push::{
 };
 use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 
-use super::{
-    BenchConfig, BenchError, BenchReport, Rank, choose, fill, finish, memcpy_baseline, ms,
-};
+use super::blocks::{choose, source_blocks};
+use super::rank::Rank;
+use super::timing::{finish, memcpy_baseline, ms};
+use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
 /// Pages per chunk (a chunked prefill sends its KV as it computes it).
@@ -132,7 +133,7 @@ fn prefill_side(
 /// and the decode that verifies agree without exchanging them.
 pub(super) fn source_pages(c: &BenchConfig, room: u64, per_request: u32) -> Vec<u32> {
     let mut state = (c.seed ^ room.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
-    let blocks = super::source_blocks(c, per_request);
+    let blocks = source_blocks(c, per_request);
     choose(0..blocks, per_request, c.fragmented, &mut state)
 }
 
@@ -386,7 +387,7 @@ pub(super) fn serve(
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(), BenchError> {
     let per_request = c.tokens_per_request.div_ceil(c.block_size.max(1));
-    let num_blocks = super::source_blocks(c, per_request);
+    let num_blocks = source_blocks(c, per_request);
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
     let mut pre = prefill_side(c, &mapping, num_blocks, (host, port), clock)?;
