@@ -1,0 +1,4 @@
+//! The `kvxfer` binary's command line: [`args`] defines it, [`commands`] carries it out.
+
+pub(crate) mod args;
+pub(crate) mod commands;
