@@ -3,6 +3,8 @@
 //! can be checked before NIXL sees them. Decoding is bounded and never panics: it is fed
 //! bytes from the network. Built without the `nixl` feature too (fuzzing, tests).
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_core::{AddrRange, MemoryKind};
 
 const MAGIC: &[u8; 4] = b"KVXN";

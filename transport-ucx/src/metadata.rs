@@ -2,6 +2,8 @@
 //! registered region its kind, range and packed remote key. Decoding is bounded and never
 //! panics: it is fed bytes from the network.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_core::{AddrRange, MemoryKind};
 
 const MAGIC: &[u8; 4] = b"KVXU";
@@ -134,15 +136,17 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn remaining(&self) -> usize {
-        self.bytes.len() - self.at
+        self.bytes.len().saturating_sub(self.at)
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        if n > self.remaining() {
-            return Err("truncated metadata".into());
-        }
-        let s = &self.bytes[self.at..self.at + n];
-        self.at += n;
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&end| end <= self.bytes.len())
+            .ok_or("truncated metadata")?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
         Ok(s)
     }
 

@@ -1,11 +1,13 @@
 //! Notifications on the wire: one eager active message `[name length u16 LE][name][message]`.
 //! The decoder is fed bytes from the network: bounded, never panics.
 
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
 use kvxfer_core::Notification;
 
 /// Encodes a notification for the wire.
 pub fn encode_notification(from: &str, message: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + from.len() + message.len());
+    let mut out = Vec::with_capacity(from.len().saturating_add(message.len()).saturating_add(2));
     out.extend_from_slice(&(from.len() as u16).to_le_bytes());
     out.extend_from_slice(from.as_bytes());
     out.extend_from_slice(message);
@@ -15,8 +17,7 @@ pub fn encode_notification(from: &str, message: &[u8]) -> Vec<u8> {
 /// Decodes a notification from the wire (bounded, never panics).
 pub fn decode_notification(bytes: &[u8], max_len: usize) -> Option<Notification> {
     let n = u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?]) as usize;
-    let name = bytes.get(2..2 + n)?;
-    let message = &bytes[2 + n..];
+    let (name, message) = bytes.get(2..)?.split_at_checked(n)?;
     if n == 0 || message.len() > max_len {
         return None;
     }
