@@ -5,7 +5,10 @@
 //! [`Faulty`] forwards every call to the transport it wraps and hands out its own transfer
 //! ids, so that a transfer it fails never reaches the wrapped transport: an armed failure
 //! posts nothing (no byte moves, no notification is sent) and reports `Failed` until
-//! released, exactly as a transfer that failed inside the transport looks to its caller.
+//! released, exactly as a transfer that failed inside the transport looks to its caller. It
+//! is consumed before the wrapped transport sees the post, so it also stands in for a post
+//! the transport would have refused; the failure cases of the suites only post valid
+//! transfers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -176,7 +179,7 @@ impl<T: Transport> Transport for Faulty<T> {
 
     fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
         match self.lookup(xfer)? {
-            Posted::Inner(x) => self.inner.status(x),
+            Posted::Inner(x) => self.inner.status(x).map_err(|e| outer(e, xfer)),
             Posted::Injected => Ok(XferStatus::Failed(INJECTED.into())),
         }
     }
@@ -185,7 +188,7 @@ impl<T: Transport> Transport for Faulty<T> {
         let posted = self.lookup(xfer)?;
         self.xfers.remove(&xfer);
         match posted {
-            Posted::Inner(x) => self.inner.release(x),
+            Posted::Inner(x) => self.inner.release(x).map_err(|e| outer(e, xfer)),
             Posted::Injected => Ok(()),
         }
     }
@@ -232,6 +235,14 @@ impl<F: TransportFactory> TransportFactory for WithFaults<F> {
     fn inject_failures(&self, t: &Self::T, n: usize) -> bool {
         t.faults().fail_next_transfers(n);
         true
+    }
+}
+
+/// The wrapped transport's error with the caller's transfer id where it names one.
+fn outer(e: TransportError, xfer: XferId) -> TransportError {
+    match e {
+        TransportError::UnknownTransfer(_) => TransportError::UnknownTransfer(xfer),
+        e => e,
     }
 }
 

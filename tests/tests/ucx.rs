@@ -1,7 +1,7 @@
 //! The conformance suite on UCX in one process (two agents): over shared memory, and over TCP
-//! loopback, where UCX emulates RMA with messages the target must progress; every case through
-//! the fault-injection decorator, with the progress thread on, and the cases that poll both
-//! agents with it off. The pull and push scenario lists run over shared memory.
+//! loopback, where UCX emulates RMA with messages the target must progress: every case with the
+//! progress thread on (the failure case through the fault-injection decorator), and the cases
+//! that poll both agents with it off. The pull and push scenario lists run over shared memory.
 #![cfg(feature = "ucx")]
 
 use std::time::Duration;
@@ -36,20 +36,40 @@ impl TransportFactory for Ucx {
     }
 }
 
-// Every conformance case runs through the fault-injection decorator, so that the failure
-// case runs here too.
 mod shm {
-    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::Ucx {
+    kvxfer_tests::conformance_suite!(super::Ucx {
         tls: "sm,self",
         progress_thread: true,
-    }));
+    });
+
+    /// UCX injects no faults itself: the failure case runs through the decorator.
+    #[test]
+    fn conformance_failures_surface_as_failed_through_the_decorator() {
+        kvxfer_tests::conformance::failures_surface_as_failed(&kvxfer_tests::faulty::WithFaults(
+            super::Ucx {
+                tls: "sm,self",
+                progress_thread: true,
+            },
+        ));
+    }
 }
 
 mod tcp {
-    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::Ucx {
+    kvxfer_tests::conformance_suite!(super::Ucx {
         tls: "tcp,self",
         progress_thread: true,
-    }));
+    });
+
+    /// UCX injects no faults itself: the failure case runs through the decorator.
+    #[test]
+    fn conformance_failures_surface_as_failed_through_the_decorator() {
+        kvxfer_tests::conformance::failures_surface_as_failed(&kvxfer_tests::faulty::WithFaults(
+            super::Ucx {
+                tls: "tcp,self",
+                progress_thread: true,
+            },
+        ));
+    }
 }
 
 /// The pull and push scenario lists over UCX shared memory.
@@ -71,18 +91,17 @@ mod scenarios_shm {
 /// whose replaced endpoint never finished closing aborted the process here before.
 mod polled {
     use kvxfer_tests::conformance as c;
-    use kvxfer_tests::faulty::WithFaults;
 
     use super::Ucx;
 
-    const SHM: WithFaults<Ucx> = WithFaults(Ucx {
+    const SHM: Ucx = Ucx {
         tls: "sm,self",
         progress_thread: false,
-    });
-    const TCP: WithFaults<Ucx> = WithFaults(Ucx {
+    };
+    const TCP: Ucx = Ucx {
         tls: "tcp,self",
         progress_thread: false,
-    });
+    };
 
     #[test]
     fn shm_notification_after_data() {
@@ -111,6 +130,14 @@ mod polled {
     #[test]
     fn shm_out_of_bounds_rejected() {
         c::out_of_bounds_rejected(&SHM);
+    }
+    #[test]
+    fn tcp_out_of_bounds_rejected() {
+        c::out_of_bounds_rejected(&TCP);
+    }
+    #[test]
+    fn shm_registration_lifecycle() {
+        c::registration_lifecycle(&SHM);
     }
     #[test]
     fn tcp_registration_lifecycle() {

@@ -28,15 +28,27 @@ impl TransportFactory for UcxProcess {
 }
 
 mod shm {
-    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::UcxProcess {
-        tls: "sm,self"
-    }));
+    kvxfer_tests::conformance_suite!(super::UcxProcess { tls: "sm,self" });
+
+    /// The failure case through the fault-injection decorator (UCX injects none itself).
+    #[test]
+    fn conformance_failures_surface_as_failed_through_the_decorator() {
+        kvxfer_tests::conformance::failures_surface_as_failed(&kvxfer_tests::faulty::WithFaults(
+            super::UcxProcess { tls: "sm,self" },
+        ));
+    }
 }
 
 mod tcp {
-    kvxfer_tests::conformance_suite!(kvxfer_tests::faulty::WithFaults(super::UcxProcess {
-        tls: "tcp,self"
-    }));
+    kvxfer_tests::conformance_suite!(super::UcxProcess { tls: "tcp,self" });
+
+    /// The failure case through the fault-injection decorator (UCX injects none itself).
+    #[test]
+    fn conformance_failures_surface_as_failed_through_the_decorator() {
+        kvxfer_tests::conformance::failures_surface_as_failed(&kvxfer_tests::faulty::WithFaults(
+            super::UcxProcess { tls: "tcp,self" },
+        ));
+    }
 }
 
 /// A peer killed (SIGKILL) in the middle of a 256 MiB READ: the transfer ends — failed, or
