@@ -493,12 +493,12 @@ impl State {
         for c in std::mem::take(&mut self.closing) {
             // Still closing (the peer never progressed the disconnect): the worker's
             // destruction ends the endpoint, and UCX aborts the process there if the close
-            // request was not handed back. Its keys and health record are leaked rather than
-            // destroyed under it.
+            // request was not handed back. Its keys are leaked rather than destroyed under
+            // it; its health record is freed after the worker, like the live peers'.
             // SAFETY: a live close request, freed exactly once; UCX finishes it internally.
             unsafe { sys::api().ucp_request_free(c.req) };
             std::mem::forget(c.peer.regions);
-            std::mem::forget(c.peer.health);
+            self.dead_health.push(c.peer.health);
         }
         for (_, mut p) in self.peers.drain() {
             for (_, _, rkey) in p.regions.drain(..) {
