@@ -3,6 +3,8 @@
 //! its lease expired; heartbeats extend the lease; notes that arrive before the hold are
 //! kept for a lease and counted when it starts. [`super::PullWorker`] feeds it the notes of
 //! agents that fetched its metadata; the `pull_holds` fuzz target drives it directly.
+//!
+//! Public for the fuzz targets; engines use [`PullWorker`](crate::pull::PullWorker).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -69,9 +71,11 @@ impl Holds {
     }
 
     /// Holds `req_id`'s blocks from `now`, counting the notes that came before; frees it at
-    /// once if those were all its readers. A request already held keeps its hold.
+    /// once if those were all its readers. A request already held keeps the notes counted
+    /// and gets a new lease from `now` (the scheduler said again that it is to be held).
     pub fn hold(&mut self, req_id: &str, now: Duration, freed: &mut Vec<String>) {
-        if self.held.contains_key(req_id) {
+        if let Some(h) = self.held.get_mut(req_id) {
+            h.deadline = now.saturating_add(self.lease);
             return;
         }
         let mut held = Held::new(now.saturating_add(self.lease));
@@ -195,13 +199,104 @@ mod tests {
     }
 
     #[test]
-    fn holding_twice_keeps_the_first_hold() {
+    fn holding_twice_keeps_the_notes_and_renews_the_lease() {
         let mut h = Holds::new(LEASE);
         let mut freed = Vec::new();
         h.hold("r", Duration::ZERO, &mut freed);
         assert!(h.note("d", &read("r", 2), Duration::ZERO, &mut freed));
-        h.hold("r", Duration::ZERO, &mut freed);
-        assert!(h.note("e", &read("r", 2), Duration::ZERO, &mut freed));
+        h.hold("r", Duration::from_secs(10), &mut freed);
+        assert_eq!(h.expire(LEASE, &mut freed), 0, "the lease was not renewed");
+        assert!(h.note("e", &read("r", 2), LEASE, &mut freed));
         assert_eq!(freed, ["r"], "the second hold forgot the first note");
+    }
+
+    #[test]
+    fn a_request_is_freed_by_its_last_distinct_reader_only() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        h.hold("r", Duration::ZERO, &mut freed);
+        assert!(h.is_held("r") && !h.is_held("other"));
+        assert_eq!((h.held(), h.early()), (1, 0));
+        assert!(h.note("d", &read("r", 2), Duration::ZERO, &mut freed));
+        assert!(
+            !h.note("d", &read("r", 2), Duration::ZERO, &mut freed),
+            "repeat counted"
+        );
+        assert!(
+            !h.note("e", &read("r", 3), Duration::ZERO, &mut freed),
+            "other count taken"
+        );
+        assert!(freed.is_empty() && h.is_held("r"));
+        assert!(h.note("e", &read("r", 2), Duration::ZERO, &mut freed));
+        assert_eq!(freed, ["r"]);
+        assert!(!h.is_held("r"));
+        assert_eq!((h.held(), h.early()), (0, 0));
+    }
+
+    #[test]
+    fn notes_before_the_hold_count_when_it_starts() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        assert!(h.note("d", &read("r", 1), Duration::ZERO, &mut freed));
+        assert_eq!((h.held(), h.early()), (0, 1));
+        assert!(freed.is_empty(), "freed before it was held");
+        h.hold("r", Duration::ZERO, &mut freed);
+        assert_eq!(freed, ["r"], "the early note did not count");
+        assert_eq!((h.held(), h.early()), (0, 0));
+    }
+
+    #[test]
+    fn leases_expire_at_their_deadline_and_heartbeats_extend_them() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        let t = |s| Duration::from_secs(s);
+        h.hold("a", t(0), &mut freed);
+        h.hold("b", t(0), &mut freed);
+        assert!(h.note("d", &PullNote::Heartbeat { req_id: "b" }, t(10), &mut freed));
+        assert!(h.note(
+            "d",
+            &PullNote::Heartbeat { req_id: "none" },
+            t(10),
+            &mut freed
+        ));
+        assert_eq!(h.expire(t(29), &mut freed), 0);
+        assert!(freed.is_empty());
+        assert_eq!(
+            h.expire(t(30), &mut freed),
+            1,
+            "a lease ends at its deadline"
+        );
+        assert_eq!(freed, ["a"]);
+        assert_eq!(
+            h.expire(t(39), &mut freed),
+            0,
+            "the heartbeat did not extend b"
+        );
+        assert_eq!(h.expire(t(40), &mut freed), 1);
+        assert_eq!(freed, ["a", "b"]);
+    }
+
+    #[test]
+    fn early_notes_last_one_lease() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        assert!(h.note("d", &read("r", 2), Duration::ZERO, &mut freed));
+        h.expire(LEASE - Duration::from_nanos(1), &mut freed);
+        assert_eq!(h.early(), 1, "forgotten before a lease passed");
+        h.expire(LEASE, &mut freed);
+        assert_eq!(h.early(), 0);
+        assert!(freed.is_empty(), "an early note is not a hold");
+    }
+
+    #[test]
+    fn clear_forgets_holds_and_early_notes() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        h.hold("a", Duration::ZERO, &mut freed);
+        assert!(h.note("d", &read("b", 2), Duration::ZERO, &mut freed));
+        h.clear();
+        assert_eq!((h.held(), h.early()), (0, 0));
+        assert_eq!(h.expire(LEASE, &mut freed), 0);
+        assert!(freed.is_empty());
     }
 }
