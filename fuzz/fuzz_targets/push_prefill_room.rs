@@ -5,7 +5,9 @@
 //! Checked after every step against a model: a failed room stays failed; chunks are laid out
 //! only while the room takes input, never past its pages, and the last exactly when it
 //! fills them; aborts count only from destinations and hand back every WRITE in flight;
-//! success only once the last chunk's WRITEs all finished, or at once for dummy-only rooms.
+//! a room takes input as soon as the engine's side and enough destinations are there; it
+//! succeeds exactly once the last chunk's WRITEs all finished, or at once for dummy-only
+//! rooms.
 #![no_main]
 use std::collections::HashMap;
 use std::time::Duration;
@@ -27,6 +29,8 @@ struct Model {
     last_sent: bool,
     in_flight: Vec<XferId>,
     failed: bool,
+    /// The engine's side and enough destinations are there: the room must take input.
+    ready: bool,
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -47,6 +51,8 @@ fuzz_target!(|data: &[u8]| {
                 m.total = Some(total);
                 if m.dests.values().any(|&n| n != 0 && n != total) {
                     m.failed = true;
+                } else if required.is_some_and(|n| m.dests.len() >= n as usize) {
+                    m.ready = true;
                 }
             }
             1 => {
@@ -71,6 +77,8 @@ fuzz_target!(|data: &[u8]| {
                     m.dests.insert(agent, pages);
                     if problem.is_some() || wrong {
                         m.failed = true;
+                    } else if m.dests.len() >= required && m.total.is_some() {
+                        m.ready = true;
                     }
                 }
             }
@@ -168,6 +176,16 @@ fuzz_target!(|data: &[u8]| {
             continue;
         }
         let dummy_only = m.dests.values().all(|&n| n == 0);
+        // Never late: ready rooms take input, finished ones succeed.
+        if m.ready {
+            assert!(
+                status >= RoomStatus::WaitingForInput,
+                "ready but {status:?}"
+            );
+        }
+        if m.last_sent && m.in_flight.is_empty() || m.ready && dummy_only && m.chunks == 0 {
+            assert_eq!(status, RoomStatus::Success, "due to succeed (op {op:#x})");
+        }
         if status == RoomStatus::Success && before != RoomStatus::Success {
             let sent_all = m.last_sent && m.in_flight.is_empty();
             assert!(

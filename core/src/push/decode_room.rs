@@ -3,6 +3,8 @@
 //! from whom, and when the room succeeds, fails or times out. [`super::PushDecode`] feeds it
 //! from its control thread and transport; the `push_decode_room` fuzz target drives it with
 //! arbitrary layouts and notes.
+//!
+//! Public for the fuzz targets; engines use [`PushDecode`](crate::push::PushDecode).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -238,5 +240,219 @@ impl DecodeRoom {
             },
             state_stages: if wants_state { first.pp_size } else { 0 },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(300);
+
+    fn rank(tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
+        RankInfo {
+            agent: format!("p{}.{}", tp.0, pp.0),
+            tp_size: tp.1,
+            tp_rank: tp.0,
+            pp_size: pp.1,
+            pp_rank: pp.0,
+            dp_size: 1,
+            dp_rank: 0,
+            host: "127.0.0.1".into(),
+            port: 1,
+            page_size: 16,
+            dtype: "bf16".into(),
+            first_layer: 0,
+            num_layers: 1,
+        }
+    }
+
+    /// Every rank of a prefill with `tp` × `pp` ranks.
+    fn prefill(tp: u32, pp: u32) -> Vec<RankInfo> {
+        (0..pp)
+            .flat_map(|p| (0..tp).map(move |t| rank((t, tp), (p, pp))))
+            .collect()
+    }
+
+    fn kv(chunk: u32, is_last: bool, pp_rank: u32) -> PushNote {
+        PushNote::Kv {
+            room: 7,
+            chunk,
+            is_last,
+            pp_rank,
+        }
+    }
+
+    /// A room of decode rank 0 of 1 (both heads), bootstrapped from `ranks`.
+    fn room(
+        pages: Vec<u32>,
+        aux: Option<u32>,
+        state: Vec<u32>,
+        ranks: Vec<RankInfo>,
+    ) -> DecodeRoom {
+        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, pages, aux, state);
+        r.bootstrapped(ranks, (0, 1), HeadSharding::Split { total_kv_heads: 2 });
+        r
+    }
+
+    fn settle(r: &mut DecodeRoom) -> RoomStatus {
+        r.advance(7, Duration::ZERO, WAIT);
+        r.status()
+    }
+
+    #[test]
+    fn a_room_succeeds_once_every_writer_sent_every_chunk() {
+        let mut r = room(vec![1, 2], None, Vec::new(), prefill(2, 1));
+        assert_eq!(r.ranks().len(), 2);
+        assert_eq!(settle(&mut r), RoomStatus::WaitingForInput);
+        assert!(r.note("p0.0", &kv(0, false, 0)));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        assert!(r.note("p0.0", &kv(1, true, 0)));
+        assert_eq!(
+            settle(&mut r),
+            RoomStatus::Transferring,
+            "p1.0 has sent nothing"
+        );
+        assert!(r.note("p1.0", &kv(0, true, 0)));
+        assert_eq!(settle(&mut r), RoomStatus::Success);
+        assert_eq!(r.error(), None);
+    }
+
+    #[test]
+    fn chunks_must_be_exactly_zero_to_the_last() {
+        for (chunks, last, done) in [
+            (&[0u32, 2][..], 2, false),
+            (&[0, 1, 2], 2, true),
+            (&[5], 1, false),
+            (&[0, 1, 5], 1, false),
+            (&[0], 0, true),
+            (&[1], 1, false),
+        ] {
+            let mut r = room(vec![1], None, Vec::new(), prefill(1, 1));
+            for &c in chunks {
+                assert!(r.note("p0.0", &kv(c, false, 0)));
+            }
+            assert!(r.note("p0.0", &kv(last, true, 0)));
+            assert_eq!(
+                settle(&mut r) == RoomStatus::Success,
+                done,
+                "{chunks:?} last {last}"
+            );
+        }
+    }
+
+    #[test]
+    fn aux_comes_from_the_lead_writer_of_the_last_stage() {
+        let mut r = room(vec![1], Some(0), Vec::new(), prefill(1, 2));
+        assert!(r.note("p0.0", &kv(0, true, 0)));
+        assert!(r.note("p0.1", &kv(0, true, 1)));
+        assert!(
+            r.note("p0.0", &PushNote::Aux { room: 7 }),
+            "a rank's note is taken"
+        );
+        assert_eq!(
+            settle(&mut r),
+            RoomStatus::Transferring,
+            "aux from the first stage"
+        );
+        assert!(r.note("p0.1", &PushNote::Aux { room: 7 }));
+        assert_eq!(settle(&mut r), RoomStatus::Success);
+    }
+
+    #[test]
+    fn state_comes_from_every_stage_under_its_own_stage() {
+        let mut r = room(vec![1], None, vec![0], prefill(1, 2));
+        assert!(r.note("p0.0", &kv(0, true, 0)));
+        assert!(r.note("p0.1", &kv(0, true, 1)));
+        assert!(r.note(
+            "p0.0",
+            &PushNote::State {
+                room: 7,
+                pp_rank: 1
+            }
+        ));
+        assert_eq!(
+            settle(&mut r),
+            RoomStatus::Transferring,
+            "state under another's stage"
+        );
+        assert!(r.note(
+            "p0.0",
+            &PushNote::State {
+                room: 7,
+                pp_rank: 0
+            }
+        ));
+        assert_eq!(
+            settle(&mut r),
+            RoomStatus::Transferring,
+            "stage 1's state missing"
+        );
+        assert!(r.note(
+            "p0.1",
+            &PushNote::State {
+                room: 7,
+                pp_rank: 1
+            }
+        ));
+        assert_eq!(settle(&mut r), RoomStatus::Success);
+    }
+
+    #[test]
+    fn a_dummy_room_needs_no_data() {
+        let mut r = room(Vec::new(), Some(0), vec![0], prefill(2, 2));
+        assert_eq!(settle(&mut r), RoomStatus::Success);
+    }
+
+    #[test]
+    fn strangers_count_only_before_the_bootstrap_names_the_ranks() {
+        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, vec![1], None, Vec::new());
+        assert!(
+            r.note("x", &kv(0, false, 0)),
+            "before the bootstrap nobody is ruled out"
+        );
+        r.bootstrapped(
+            prefill(1, 1),
+            (0, 1),
+            HeadSharding::Split { total_kv_heads: 2 },
+        );
+        assert!(!r.note("x", &kv(0, true, 0)));
+        assert!(!r.note("x", &PushNote::Abort { room: 7 }));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        assert!(r.note("p0.0", &PushNote::Abort { room: 7 }));
+        assert_eq!(settle(&mut r), RoomStatus::Failed);
+        assert_eq!(r.error(), Some("aborted by the prefill"));
+    }
+
+    #[test]
+    fn a_room_times_out_after_the_waiting_timeout_not_at_it() {
+        let mut r = room(vec![1], None, Vec::new(), prefill(1, 1));
+        r.advance(7, WAIT, WAIT);
+        assert_eq!(r.status(), RoomStatus::WaitingForInput);
+        r.advance(7, WAIT + Duration::from_nanos(1), WAIT);
+        assert_eq!(r.status(), RoomStatus::Failed);
+        assert_eq!(r.error(), Some("room 7 waited longer than 300s"));
+    }
+
+    #[test]
+    fn the_first_failure_wins_and_success_is_final() {
+        let mut r = room(vec![1], None, Vec::new(), prefill(1, 1));
+        r.fail("first".into());
+        r.fail("second".into());
+        assert_eq!((r.status(), r.error()), (RoomStatus::Failed, Some("first")));
+        let mut r = room(Vec::new(), None, Vec::new(), prefill(1, 1));
+        assert_eq!(settle(&mut r), RoomStatus::Success);
+        r.fail("late".into());
+        assert_eq!((r.status(), r.error()), (RoomStatus::Success, None));
+    }
+
+    #[test]
+    fn a_layout_missing_a_writer_fails_the_room() {
+        let mut ranks = prefill(2, 1);
+        ranks.pop();
+        let r = room(vec![1], None, Vec::new(), ranks);
+        assert_eq!(r.status(), RoomStatus::Failed);
+        assert_eq!(r.error(), Some("prefill rank tp 1 pp 0 missing"));
+        assert!(r.ranks().is_empty());
     }
 }

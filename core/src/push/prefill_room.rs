@@ -3,6 +3,8 @@
 //! chunks sent so far and the WRITEs in flight, and the status they add up to.
 //! [`super::PushPrefill`] validates what decodes send, posts the WRITEs and polls them; the
 //! `push_prefill_room` fuzz target drives a room directly.
+//!
+//! Public for the fuzz targets; engines use [`PushPrefill`](crate::push::PushPrefill).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -246,4 +248,192 @@ fn validate_len(d: &RoomRequest, total: usize) -> Option<String> {
             d.pages.len()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dest(agent: &str, pages: u32) -> RoomRequest {
+        RoomRequest {
+            room: 7,
+            agent: agent.into(),
+            pages: (0..pages).collect(),
+            aux_index: None,
+            state_indices: Vec::new(),
+        }
+    }
+
+    /// A room of `total` pages the engine added, with `dests` (one required per agent).
+    fn ready(total: usize, dests: &[(&str, u32)]) -> PrefillRoom {
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        r.set_engine(total, None, Vec::new(), None);
+        for &(a, n) in dests {
+            r.add_dest(dest(a, n), None, dests.len());
+        }
+        r
+    }
+
+    #[test]
+    fn a_room_waits_for_the_engine_and_every_destination() {
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        assert!(!r.requested());
+        r.add_dest(dest("a", 4), None, 2);
+        assert!(r.requested(), "asked before the engine added it");
+        assert_eq!(r.dest_agents().collect::<Vec<_>>(), ["a"]);
+        r.set_engine(4, None, Vec::new(), Some(2));
+        assert!(!r.requested());
+        assert_eq!(
+            r.status(),
+            RoomStatus::Bootstrapping,
+            "one of two destinations"
+        );
+        r.add_dest(dest("b", 4), None, 2);
+        assert_eq!(r.status(), RoomStatus::WaitingForInput);
+        let mut early = PrefillRoom::new(Duration::ZERO);
+        early.add_dest(dest("a", 4), None, 1);
+        assert_eq!(
+            early.status(),
+            RoomStatus::Bootstrapping,
+            "no engine side yet"
+        );
+        early.set_engine(4, None, Vec::new(), Some(1));
+        assert_eq!(early.status(), RoomStatus::WaitingForInput);
+    }
+
+    #[test]
+    fn a_destination_with_the_wrong_page_count_or_a_problem_fails_the_room() {
+        let r = ready(4, &[("a", 3)]);
+        assert_eq!(r.status(), RoomStatus::Failed);
+        assert_eq!(r.error(), Some("decode a sent 3 pages for a room of 4"));
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        r.add_dest(dest("a", 3), None, 1);
+        r.set_engine(4, None, Vec::new(), Some(1));
+        assert_eq!(
+            r.status(),
+            RoomStatus::Failed,
+            "checked when the engine adds it"
+        );
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        r.add_dest(dest("a", 0), Some("bad index".into()), 1);
+        assert_eq!(
+            (r.status(), r.error()),
+            (RoomStatus::Failed, Some("bad index"))
+        );
+        r.add_dest(dest("b", 4), None, 1);
+        assert_eq!(
+            r.dest_agents().count(),
+            1,
+            "a final room takes no destination"
+        );
+        let r = ready(4, &[("a", 0), ("b", 4)]);
+        assert_eq!(
+            r.status(),
+            RoomStatus::WaitingForInput,
+            "a dummy has no page count"
+        );
+    }
+
+    #[test]
+    fn chunks_fill_the_room_and_the_last_one_is_marked() {
+        let mut r = ready(5, &[("a", 5), ("dummy", 0)]);
+        assert!(r.next_chunk(7, 6).is_err(), "past the pages");
+        let c = r.next_chunk(7, 2).expect("first chunk");
+        assert_eq!((c.start, c.id, c.pages, c.is_last), (0, 0, 2, false));
+        assert_eq!(c.dests.len(), 1);
+        assert_eq!(c.dests[0].agent, "a", "dummies get no data");
+        r.chunk_posted(&c, vec![XferId(1)], None);
+        assert_eq!(r.status(), RoomStatus::Transferring);
+        assert_eq!(r.take_xfers(), [XferId(1)]);
+        r.settle();
+        assert_eq!(
+            r.status(),
+            RoomStatus::Transferring,
+            "the last chunk is not sent"
+        );
+        assert!(matches!(
+            r.next_chunk(7, 4),
+            Err(PushError::TooManyPages {
+                given: 4,
+                left: 3,
+                ..
+            })
+        ));
+        let c = r.next_chunk(7, 3).expect("last chunk");
+        assert_eq!((c.start, c.id, c.is_last), (2, 1, true));
+        r.chunk_posted(&c, vec![XferId(2), XferId(3)], None);
+        r.settle();
+        assert_eq!(r.status(), RoomStatus::Transferring, "WRITEs in flight");
+        let mut x = r.take_xfers();
+        assert_eq!(x, [XferId(2), XferId(3)]);
+        x.remove(0);
+        r.keep_xfers(x);
+        r.settle();
+        assert_eq!(r.status(), RoomStatus::Transferring, "one WRITE in flight");
+        assert_eq!(r.take_xfers(), [XferId(3)]);
+        r.settle();
+        assert_eq!(r.status(), RoomStatus::Success);
+        assert!(r.next_chunk(7, 0).is_err(), "a final room takes no chunk");
+    }
+
+    #[test]
+    fn a_failed_post_fails_the_room_and_keeps_its_writes() {
+        let mut r = ready(2, &[("a", 2)]);
+        let c = r.next_chunk(7, 2).expect("chunk");
+        r.chunk_posted(&c, vec![XferId(9)], Some("post failed".into()));
+        r.settle();
+        assert_eq!(
+            (r.status(), r.error()),
+            (RoomStatus::Failed, Some("post failed"))
+        );
+        assert_eq!(r.into_xfers(), [XferId(9)]);
+    }
+
+    #[test]
+    fn only_a_destination_aborts_and_gets_the_writes_back() {
+        let mut r = ready(2, &[("a", 2)]);
+        let c = r.next_chunk(7, 1).expect("chunk");
+        r.chunk_posted(&c, vec![XferId(3)], None);
+        assert_eq!(r.abort_by("stranger"), None);
+        assert_eq!(r.status(), RoomStatus::Transferring);
+        assert_eq!(r.abort_by("a"), Some(vec![XferId(3)]));
+        assert_eq!(
+            (r.status(), r.error()),
+            (RoomStatus::Failed, Some("aborted by decode a"))
+        );
+        assert!(r.into_xfers().is_empty());
+    }
+
+    #[test]
+    fn a_room_of_dummies_succeeds_at_once_and_a_late_failure_overrides() {
+        let mut r = ready(3, &[("a", 0)]);
+        r.settle();
+        assert_eq!(r.status(), RoomStatus::Success);
+        r.fail("aborted by the prefill engine".into());
+        assert_eq!(r.status(), RoomStatus::Failed);
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        r.add_dest(dest("a", 0), None, 1);
+        r.settle();
+        assert_eq!(
+            r.status(),
+            RoomStatus::Bootstrapping,
+            "not before the engine added it"
+        );
+    }
+
+    #[test]
+    fn bootstrapping_times_out_after_the_timeout_not_at_it() {
+        let t = Duration::from_secs(30);
+        let mut r = PrefillRoom::new(Duration::ZERO);
+        assert!(!r.bootstrap_timed_out(7, t, t));
+        assert_eq!(r.status(), RoomStatus::Bootstrapping);
+        assert!(r.bootstrap_timed_out(7, t + Duration::from_nanos(1), t));
+        assert_eq!(r.error(), Some("room 7 still bootstrapping after 30s"));
+        let mut r = ready(1, &[("a", 1)]);
+        assert!(
+            !r.bootstrap_timed_out(7, t * 2, t),
+            "a ready room does not time out"
+        );
+        assert_eq!(r.status(), RoomStatus::WaitingForInput);
+    }
 }
