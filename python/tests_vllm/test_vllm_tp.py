@@ -19,11 +19,15 @@ def test_each_decode_rank_pulls_its_own_heads_and_the_output_equals_a_local_run(
     before: list[HeadHashes] = d.call({"op": "kv_head_hashes"})
     assert len(before) == 2
     metrics = kvxfer_metrics(d)
+    external = d.call({"op": "external_tokens"})
     (params,) = prefill(p, [x])
     (p_heads,) = p.call({"op": "kv_head_hashes"})
     (remote,) = decode(d, [x], [params], timeout=400)
+    # The decode did not compute the prompt: every token came through the connector.
+    assert d.call({"op": "external_tokens"}) - external == len(x)
     after: list[HeadHashes] = d.call({"op": "kv_head_hashes"})
     full = params["remote_block_ids"][: len(x) // BLOCK]
+    assert len(full) == 3 and len(p_heads) == 2, (full, list(p_heads))
     for layer, blocks in p_heads.items():
         heads = len(next(iter(blocks.values())))
         per_rank = heads // len(after)
