@@ -144,4 +144,21 @@ mod tests {
         utf8[8] = 0xff;
         assert!(refused(&utf8).contains("UTF-8"));
     }
+
+    #[test]
+    fn the_bounds_themselves_are_accepted() {
+        let name = "n".repeat(MAX_NAME);
+        assert_eq!(
+            decode(&encode(&name, &[], b"x"))
+                .expect("longest name")
+                .name,
+            name
+        );
+        let regions = vec![(MemoryKind::Host, AddrRange::new(0, 1)); MAX_REGIONS];
+        let bytes = encode("a", &regions, b"x");
+        assert_eq!(
+            decode(&bytes).expect("most regions").regions.len(),
+            MAX_REGIONS
+        );
+    }
 }
