@@ -20,6 +20,17 @@ impl Descriptor {
         self.src.checked_add(self.len) == Some(next.src)
             && self.dst.checked_add(self.len) == Some(next.dst)
     }
+
+    /// `self` and `next` as one descriptor, when `next` continues `self` and the merged
+    /// length fits in 64 bits.
+    #[inline]
+    pub fn merged(&self, next: &Descriptor) -> Option<Descriptor> {
+        if !self.continues_into(next) {
+            return None;
+        }
+        let len = self.len.checked_add(next.len)?;
+        Some(Descriptor { len, ..*self })
+    }
 }
 
 /// A run of index pairs that are `+1` consecutive on both sides.
@@ -51,8 +62,10 @@ pub fn group_contiguous(src: &[u64], dst: &[u64]) -> Result<Vec<IndexRun>> {
             let next_src = run.src_first.checked_add(run.len);
             let next_dst = run.dst_first.checked_add(run.len);
             if next_src == Some(s) && next_dst == Some(d) {
-                run.len += 1;
-                continue;
+                if let Some(len) = run.len.checked_add(1) {
+                    run.len = len;
+                    continue;
+                }
             }
         }
         runs.push(IndexRun {
@@ -68,8 +81,8 @@ pub fn group_contiguous(src: &[u64], dst: &[u64]) -> Result<Vec<IndexRun>> {
 #[inline]
 pub fn push_merging(out: &mut Vec<Descriptor>, d: Descriptor) {
     if let Some(last) = out.last_mut() {
-        if last.continues_into(&d) {
-            last.len += d.len;
+        if let Some(merged) = last.merged(&d) {
+            *last = merged;
             return;
         }
     }
@@ -84,17 +97,15 @@ pub fn coalesce(descs: &mut Vec<Descriptor>) {
     if !descs.windows(2).all(|w| w[0].dst < w[1].dst) {
         descs.sort_unstable_by_key(|d| d.dst);
     }
-    let mut write = 0usize;
-    for read in 0..descs.len() {
-        let d = descs[read];
-        if write > 0 && descs[write - 1].continues_into(&d) {
-            descs[write - 1].len += d.len;
-        } else {
-            descs[write] = d;
-            write += 1;
+    // `dedup_by` hands each descriptor with the last one kept; merging into the kept one
+    // and answering true drops the later one, in place.
+    descs.dedup_by(|next, kept| match kept.merged(next) {
+        Some(merged) => {
+            *kept = merged;
+            true
         }
-    }
-    descs.truncate(write);
+        None => false,
+    });
 }
 
 #[cfg(test)]
@@ -155,5 +166,23 @@ mod tests {
         let mut w = vec![d(u64::MAX, 0, 1), d(0, 1, 1)];
         coalesce(&mut w);
         assert_eq!(w.len(), 2, "no merge across address wrap-around");
+    }
+
+    #[test]
+    fn a_merge_whose_length_overflows_keeps_both_descriptors() {
+        let d = |src, dst, len| Descriptor { src, dst, len };
+        let (huge, next) = (d(0, 0, u64::MAX - 1), d(u64::MAX - 1, u64::MAX - 1, 2));
+        assert!(huge.continues_into(&next));
+        assert_eq!(huge.merged(&next), None);
+        assert_eq!(
+            huge.merged(&d(u64::MAX - 1, u64::MAX - 1, 1)),
+            Some(d(0, 0, u64::MAX))
+        );
+        let mut out = vec![huge];
+        push_merging(&mut out, next);
+        assert_eq!(out, vec![huge, next]);
+        let mut v = vec![huge, next];
+        coalesce(&mut v);
+        assert_eq!(v, vec![huge, next]);
     }
 }

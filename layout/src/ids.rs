@@ -7,20 +7,20 @@ use crate::{CacheKind, CacheSpec, LayoutError, Result};
 /// The regions of one layer: `[2l, 2l+1]` for split K/V, `[l]` otherwise.
 pub fn layer_regions(spec: &CacheSpec, layer: u32) -> Result<std::ops::Range<u32>> {
     in_range(layer.into(), spec.num_layers().into(), "layer")?;
-    Ok(match spec.kind() {
-        CacheKind::SplitKv => layer * 2..layer * 2 + 2,
-        CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => layer..layer + 1,
-    })
+    let per_layer = match spec.kind() {
+        CacheKind::SplitKv => 2,
+        CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => 1,
+    };
+    let overflow = LayoutError::Overflow { what: "region" };
+    let first = layer.checked_mul(per_layer).ok_or(overflow.clone())?;
+    Ok(first..first.checked_add(per_layer).ok_or(overflow)?)
 }
 
 /// The blocks a layer with attention window `window` (in blocks) transfers: the last
 /// `window` blocks of the request, or all of them when there is no window.
 pub fn windowed_blocks(block_ids: &[u32], window: Option<u32>) -> &[u32] {
     match window {
-        Some(w) => {
-            let keep = (w as usize).min(block_ids.len());
-            &block_ids[block_ids.len() - keep..]
-        }
+        Some(w) => &block_ids[block_ids.len().saturating_sub(w as usize)..],
         None => block_ids,
     }
 }
@@ -37,10 +37,17 @@ fn check_blocks(spec: &CacheSpec, block_ids: &[u32]) -> Result<()> {
     }
 }
 
-fn push_ids(out: &mut Vec<u64>, regions: std::ops::Range<u32>, num_blocks: u64, blocks: &[u32]) {
+/// `region * num_blocks + block`. Three `u32` values: at most `(2^32 - 1)^2 + 2^32 - 1`,
+/// below `2^64`, so this cannot overflow and stays unchecked in the per-block loop.
+#[inline]
+#[allow(clippy::arithmetic_side_effects)]
+fn descriptor_id(region: u32, num_blocks: u32, block: u32) -> u64 {
+    u64::from(region) * u64::from(num_blocks) + u64::from(block)
+}
+
+fn push_ids(out: &mut Vec<u64>, regions: std::ops::Range<u32>, num_blocks: u32, blocks: &[u32]) {
     for region in regions {
-        let base = u64::from(region) * num_blocks;
-        out.extend(blocks.iter().map(|&b| base + u64::from(b)));
+        out.extend(blocks.iter().map(|&b| descriptor_id(region, num_blocks, b)));
     }
 }
 
@@ -52,8 +59,11 @@ pub fn descriptor_ids(spec: &CacheSpec, block_ids: &[u32], layer: Option<u32>) -
         Some(l) => layer_regions(spec, l)?,
         None => 0..spec.num_regions(),
     };
-    let mut out = Vec::with_capacity(regions.len() * block_ids.len());
-    push_ids(&mut out, regions, spec.num_blocks().into(), block_ids);
+    let capacity = regions.len().checked_mul(block_ids.len());
+    let mut out = Vec::with_capacity(capacity.ok_or(LayoutError::Overflow {
+        what: "descriptor ids",
+    })?);
+    push_ids(&mut out, regions, spec.num_blocks(), block_ids);
     Ok(out)
 }
 
@@ -78,7 +88,7 @@ pub fn descriptor_ids_windowed(
         push_ids(
             &mut out,
             layer_regions(spec, layer)?,
-            spec.num_blocks().into(),
+            spec.num_blocks(),
             blocks,
         );
     }

@@ -7,9 +7,12 @@
 //! and compatibility checks.
 //!
 //! No I/O, no `unsafe`, no threads. Every constructor validates its input and every
-//! computation on sizes or addresses is checked: bad parameters are a [`LayoutError`],
-//! never a panic.
+//! computation on sizes or addresses is checked (clippy's `arithmetic_side_effects` is
+//! denied; the two per-block loops that keep plain arithmetic say why it cannot overflow):
+//! bad parameters are a [`LayoutError`], never a panic.
 #![forbid(unsafe_code)]
+// Peer-supplied geometry reaches every computation here: none may wrap or panic.
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 #![warn(missing_docs)]
 
 mod coalesce;

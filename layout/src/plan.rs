@@ -38,7 +38,7 @@ impl<'a> CacheSide<'a> {
         let mut order: Vec<usize> = (0..bases.len()).collect();
         order.sort_unstable_by_key(|&i| bases[i]);
         for w in order.windows(2) {
-            if bases[w[0]] + spec.region_len() > bases[w[1]] {
+            if add(bases[w[0]], spec.region_len(), "region end address")? > bases[w[1]] {
                 return Err(LayoutError::Overlap {
                     what: "registered regions",
                     first: w[0],
@@ -83,30 +83,48 @@ impl<'a> CacheSide<'a> {
         let Some(end) = addr.checked_add(len) else {
             return false;
         };
+        if len == 0 {
+            // An empty range is inside a region when its address is, ends included.
+            return self
+                .bases
+                .iter()
+                .any(|&b| addr >= b && addr <= self.region_end(b));
+        }
         let mut regions: Vec<u64> = self.bases.to_vec();
         regions.sort_unstable();
         let mut covered = addr;
         for base in regions {
-            if base <= covered && covered < base + self.spec.region_len() {
-                covered = base + self.spec.region_len();
+            if base <= covered && covered < self.region_end(base) {
+                covered = self.region_end(base);
             }
             if covered >= end {
                 return true;
             }
         }
-        len == 0
-            && self
-                .bases
-                .iter()
-                .any(|&b| addr >= b && addr <= b + self.spec.region_len())
+        false
     }
 
-    /// Absolute address of `part` of a global layer's block, and the part's length.
-    fn part_base(&self, global_layer: u32, part: Part, block: u32) -> Result<u64> {
-        let loc = self.spec.locate(global_layer - self.layers.first, part)?;
-        Ok(self.bases[loc.region as usize]
-            + u64::from(block) * self.spec.block_len()
-            + loc.offset_in_block)
+    /// One past the last byte of the region at `base`. `new` checked that it fits, so
+    /// saturating never changes the value.
+    fn region_end(&self, base: u64) -> u64 {
+        base.saturating_add(self.spec.region_len())
+    }
+
+    /// Absolute address of `part` of a global layer's block 0.
+    fn part_base(&self, global_layer: u32, part: Part) -> Result<u64> {
+        let layer = global_layer
+            .checked_sub(self.layers.first)
+            .ok_or(LayoutError::OutOfRange {
+                what: "layer below the side's first",
+                index: global_layer.into(),
+                limit: self.layers.first.into(),
+            })?;
+        let loc = self.spec.locate(layer, part)?;
+        add(
+            self.bases[loc.region as usize],
+            loc.offset_in_block,
+            "part address",
+        )
     }
 }
 
@@ -259,15 +277,17 @@ impl TransferPlan {
 
     #[cold]
     fn push_lens_slow(&mut self, len: u64, n: usize) {
-        let before = self.len() - n;
+        // The `n` new addresses are already pushed, so `total >= n`.
+        let total = self.len();
+        let before = total.saturating_sub(n);
         match &mut self.lens {
             Lens::Uniform(l) if *l == len || before == 0 => *l = len,
             Lens::Uniform(l) => {
                 let mut each = vec![*l; before];
-                each.resize(before + n, len);
+                each.resize(total, len);
                 self.lens = Lens::Each(each);
             }
-            Lens::Each(v) => v.resize(before + n, len),
+            Lens::Each(v) => v.resize(total, len),
         }
     }
 
@@ -281,17 +301,20 @@ impl TransferPlan {
         }
     }
 
-    /// Adds `extra` bytes to the last descriptor.
-    fn grow_last(&mut self, extra: u64) {
-        let i = self.len() - 1;
+    /// Sets the last descriptor's length (after a merge); no-op on an empty plan.
+    fn set_last_len(&mut self, len: u64) {
+        let total = self.len();
+        let Some(i) = total.checked_sub(1) else {
+            return;
+        };
         match &mut self.lens {
-            Lens::Uniform(l) if i == 0 => *l += extra,
+            Lens::Uniform(l) if i == 0 => *l = len,
             Lens::Uniform(l) => {
-                let mut each = vec![*l; i + 1];
-                each[i] += extra;
+                let mut each = vec![*l; total];
+                each[i] = len;
                 self.lens = Lens::Each(each);
             }
-            Lens::Each(v) => v[i] += extra,
+            Lens::Each(v) => v[i] = len,
         }
     }
 
@@ -335,11 +358,10 @@ impl Sweep {
         }
     }
 
-    fn bytes(&self) -> u64 {
+    fn bytes(&self) -> Result<u64> {
         match self {
-            Sweep::Whole { len, .. } => *len,
-            // Bounded by the part length, checked in the spec.
-            Sweep::Tokens { len, count, .. } => len * u64::from(*count),
+            Sweep::Whole { len, .. } => Ok(*len),
+            Sweep::Tokens { len, count, .. } => mul(*len, (*count).into(), "sweep bytes"),
         }
     }
 }
@@ -385,11 +407,12 @@ fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep
             "destination head slice end",
         ),
     ] {
-        let end = u64::from(first) + u64::from(slice.count);
+        // Two u32 values: the sum fits in u64.
+        let end = u64::from(first).saturating_add(slice.count.into());
         if end > u64::from(heads) {
             return Err(LayoutError::OutOfRange {
                 what,
-                index: end - 1,
+                index: end.saturating_sub(1),
                 limit: heads.into(),
             });
         }
@@ -397,28 +420,31 @@ fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep
     let hb = src.head_token_bytes();
     let tokens = u64::from(src.tokens_per_block());
     let count = u64::from(slice.count);
-    // All products below are bounded by the part block length, already checked.
+    // All products below are bounded by the part block length, which the spec checked;
+    // they are checked again because a peer's spec reaches here.
+    let what = "head slice bytes";
     let sweep = if src.is_head_major() || src.kind() == CacheKind::Mla {
+        let head_bytes = mul(tokens, hb, what)?;
         Sweep::Whole {
-            src_off: u64::from(slice.src_first) * tokens * hb,
-            dst_off: u64::from(slice.dst_first) * tokens * hb,
-            len: count * tokens * hb,
+            src_off: mul(slice.src_first.into(), head_bytes, what)?,
+            dst_off: mul(slice.dst_first.into(), head_bytes, what)?,
+            len: mul(count, head_bytes, what)?,
         }
     } else {
         debug_assert_eq!(src.order(), BlockOrder::Nhd);
-        let len = count * hb;
-        let src_stride = u64::from(src.kv_heads()) * hb;
-        let dst_stride = u64::from(dst.kv_heads()) * hb;
+        let len = mul(count, hb, what)?;
+        let src_stride = mul(src.kv_heads().into(), hb, what)?;
+        let dst_stride = mul(dst.kv_heads().into(), hb, what)?;
         if len == src_stride && len == dst_stride {
             Sweep::Whole {
                 src_off: 0,
                 dst_off: 0,
-                len: len * tokens,
+                len: mul(len, tokens, what)?,
             }
         } else {
             Sweep::Tokens {
-                src_off: u64::from(slice.src_first) * hb,
-                dst_off: u64::from(slice.dst_first) * hb,
+                src_off: mul(slice.src_first.into(), hb, what)?,
+                dst_off: mul(slice.dst_first.into(), hb, what)?,
                 src_stride,
                 dst_stride,
                 len,
@@ -460,7 +486,7 @@ fn layer_pairs(pairs: &BlockPairs<'_>, layer: u32) -> Result<std::ops::Range<usi
         limit: windows.len() as u64,
     })?;
     Ok(match window {
-        Some(w) => n - (*w as usize).min(n)..n,
+        Some(w) => n.saturating_sub(*w as usize)..n,
         None => 0..n,
     })
 }
@@ -526,7 +552,7 @@ pub fn plan_transfer_into(
             limit: options.max_descriptors,
         });
     }
-    let total_bytes = mul(units, sweep.bytes(), "plan bytes")?;
+    let total_bytes = mul(units, sweep.bytes()?, "plan bytes")?;
     plan.reserve(raw_count as usize);
     let mut emitter = Emitter {
         out: plan,
@@ -538,8 +564,8 @@ pub fn plan_transfer_into(
         let range = layer_pairs(pairs, layer)?;
         let (sblocks, dblocks) = (&pairs.src[range.clone()], &pairs.dst[range]);
         for &part in parts {
-            let sbase = src.part_base(layer, part, 0)?;
-            let dbase = dst.part_base(layer, part, 0)?;
+            let sbase = src.part_base(layer, part)?;
+            let dbase = dst.part_base(layer, part)?;
             emitter.emit(
                 sweep,
                 (sbase, src.spec.block_len(), sblocks),
@@ -576,12 +602,10 @@ impl Emitter<'_> {
     fn push_first(&mut self, desc: Descriptor) {
         if let Some(last) = self.last {
             self.sorted &= last.dst < desc.dst;
-            if self.merge && last.continues_into(&desc) {
-                self.out.grow_last(desc.len);
-                self.last = Some(Descriptor {
-                    len: last.len + desc.len,
-                    ..last
-                });
+            let merged = if self.merge { last.merged(&desc) } else { None };
+            if let Some(merged) = merged {
+                self.out.set_last_len(merged.len);
+                self.last = Some(merged);
                 return;
             }
         }
@@ -593,8 +617,10 @@ impl Emitter<'_> {
 
     /// Emits the pieces of one (layer, part) for every block pair. Addresses cannot
     /// overflow: `CacheSide::new` checked every region end, and blocks and slices were
-    /// range-checked.
+    /// range-checked, so every address lies inside a registered region. This loop is the
+    /// whole cost of planning, so it alone keeps plain `+` and `*`.
     #[inline]
+    #[allow(clippy::arithmetic_side_effects)]
     fn emit(
         &mut self,
         sweep: Sweep,
@@ -654,5 +680,70 @@ impl Emitter<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockOrder, CacheParams, Dtype};
+
+    /// Split K/V, one layer: two regions of 4 blocks of 16 bytes (64 bytes each).
+    fn spec() -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: CacheKind::SplitKv,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            tokens_per_block: 2,
+            num_blocks: 4,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn contains_covers_exactly_the_registered_bytes() {
+        let spec = spec();
+        assert_eq!(spec.region_len(), 64);
+        // Adjacent regions [1000, 1064) and [1064, 1128), listed out of address order.
+        let bases = [1064, 1000];
+        let side = CacheSide::new(&spec, &bases, 0).unwrap();
+        assert_eq!(side.bases(), &bases);
+        assert!(side.contains(1000, 64));
+        assert!(
+            side.contains(1010, 100),
+            "a range may span adjacent regions"
+        );
+        assert!(side.contains(1000, 128));
+        assert!(!side.contains(1000, 129), "one byte past the last region");
+        assert!(!side.contains(999, 2), "one byte before the first region");
+        assert!(!side.contains(2000, 1));
+        assert!(!side.contains(u64::MAX, 1), "the end overflows");
+        // Regions with a gap between them: [1000, 1064) and [2000, 2064).
+        let gapped = [1000, 2000];
+        let side = CacheSide::new(&spec, &gapped, 0).unwrap();
+        assert!(side.contains(2000, 64));
+        assert!(side.contains(1063, 1));
+        assert!(!side.contains(1063, 2), "a range may not span a gap");
+        assert!(!side.contains(1064, 1));
+        assert!(!side.contains(1030, 1000));
+    }
+
+    #[test]
+    fn an_empty_range_is_contained_only_at_a_region() {
+        let spec = spec();
+        let bases = [1000, 2000];
+        let side = CacheSide::new(&spec, &bases, 0).unwrap();
+        assert!(side.contains(1000, 0));
+        assert!(
+            side.contains(1064, 0),
+            "a region's end is its last boundary"
+        );
+        assert!(side.contains(2030, 0));
+        assert!(!side.contains(999, 0));
+        assert!(!side.contains(1065, 0));
+        assert!(!side.contains(5000, 0));
     }
 }

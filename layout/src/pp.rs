@@ -14,9 +14,10 @@ pub struct LayerRange {
 }
 
 impl LayerRange {
-    /// One past the last layer.
+    /// One past the last layer (saturating at `u32::MAX`; the constructors of this crate
+    /// never build a range that reaches it).
     pub fn end(&self) -> u32 {
-        self.first + self.count
+        self.first.saturating_add(self.count)
     }
 
     /// True when `layer` is in the range.
@@ -52,10 +53,19 @@ impl PpSplit {
                 limit: total_layers.into(),
             });
         }
-        let base = total_layers / num_stages;
-        let extra = total_layers % num_stages;
+        let (Some(base), Some(extra)) = (
+            total_layers.checked_div(num_stages),
+            total_layers.checked_rem(num_stages),
+        ) else {
+            return Err(LayoutError::Zero {
+                field: "pipeline stages",
+            });
+        };
+        // The last `extra` stages take one layer more; `extra < num_stages` and
+        // `base < total_layers <= MAX_DIM`, so neither saturates.
+        let first_longer = num_stages.saturating_sub(extra);
         let sizes: Vec<u32> = (0..num_stages)
-            .map(|s| base + u32::from(s >= num_stages - extra))
+            .map(|s| base.saturating_add(u32::from(s >= first_longer)))
             .collect();
         Self::from_sizes(&sizes)
     }
@@ -124,8 +134,11 @@ impl PpSplit {
     /// joint, packed and MLA caches.
     pub fn kv_pointer_index(&self, stage: u32, kind: CacheKind, j: u32) -> Result<u32> {
         let range = self.stage(stage)?;
+        let overflow = || LayoutError::Overflow {
+            what: "stage pointer index",
+        };
         let per_stage = match kind {
-            CacheKind::SplitKv => range.count * 2,
+            CacheKind::SplitKv => range.count.checked_mul(2).ok_or_else(overflow)?,
             CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => range.count,
         };
         if j >= per_stage {
@@ -135,11 +148,14 @@ impl PpSplit {
                 limit: per_stage.into(),
             });
         }
-        Ok(if j < range.count {
-            range.first + j
-        } else {
-            self.total_layers + range.first + (j - range.count)
-        })
+        let index = match j.checked_sub(range.count) {
+            None => range.first.checked_add(j),
+            Some(v) => self
+                .total_layers
+                .checked_add(range.first)
+                .and_then(|t| t.checked_add(v)),
+        };
+        index.ok_or_else(overflow)
     }
 }
 
@@ -192,5 +208,16 @@ mod tests {
             PpSplit::even(crate::MAX_DIM + 1, 1),
             Err(LayoutError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_range_built_by_hand_saturates_its_end() {
+        let r = LayerRange {
+            first: u32::MAX - 1,
+            count: 5,
+        };
+        assert_eq!(r.end(), u32::MAX);
+        assert!(r.contains(u32::MAX - 1));
+        assert_eq!(LayerRange { first: 3, count: 4 }.end(), 7);
     }
 }

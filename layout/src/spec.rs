@@ -7,7 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{in_range, mul, nonzero};
+use crate::error::{add, in_range, mul, nonzero};
 use crate::{Dtype, LayoutError, Result};
 
 /// Bound on layers, heads, head dim, tokens per block and TP sizes: far above any real
@@ -139,6 +139,12 @@ pub struct CacheSpec {
     block_len: u64,
     /// Bytes of one region.
     region_len: u64,
+    /// Regions: `2 * num_layers` for split K/V, `num_layers` otherwise.
+    num_regions: u32,
+    /// Bytes of one token slot of one block of one region.
+    token_slot_bytes: u64,
+    /// Bytes of all regions together.
+    total_bytes: u64,
 }
 
 /// A byte range relative to some base.
@@ -221,16 +227,25 @@ impl CacheSpec {
         };
         let block_len = mul(part_block_len, parts_per_block, "block length")?;
         let region_len = mul(block_len, params.num_blocks.into(), "region length")?;
-        let spec = CacheSpec {
+        let num_regions = match params.kind {
+            // num_layers <= MAX_DIM, so doubling cannot overflow.
+            CacheKind::SplitKv => params.num_layers.saturating_mul(2),
+            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => params.num_layers,
+        };
+        // The whole cache must be addressable too.
+        let total_bytes = mul(region_len, num_regions.into(), "cache size")?;
+        // Exact: block_len is a multiple of tokens_per_block by construction.
+        let token_slot_bytes = mul(token_bytes, parts_per_block, "token slot bytes")?;
+        Ok(CacheSpec {
             params,
             head_token_bytes,
             part_block_len,
             block_len,
             region_len,
-        };
-        // The whole cache must be addressable too.
-        mul(region_len, spec.num_regions().into(), "cache size")?;
-        Ok(spec)
+            num_regions,
+            token_slot_bytes,
+            total_bytes,
+        })
     }
 
     /// The parameters this spec was built from.
@@ -280,11 +295,7 @@ impl CacheSpec {
 
     /// Number of regions: `2 * layers` for split K/V, `layers` otherwise.
     pub fn num_regions(&self) -> u32 {
-        match self.params.kind {
-            // num_layers <= MAX_DIM, so doubling cannot overflow.
-            CacheKind::SplitKv => self.params.num_layers * 2,
-            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => self.params.num_layers,
-        }
+        self.num_regions
     }
 
     /// The parts of every layer: `[Key, Value]`, `[Latent]` for MLA, `[PackedKv]` for a
@@ -314,8 +325,7 @@ impl CacheSpec {
 
     /// Bytes one token slot occupies in one block of one region (K and V together for joint).
     pub fn token_slot_bytes(&self) -> u64 {
-        // Exact: block_len is a multiple of tokens_per_block by construction.
-        self.block_len / u64::from(self.params.tokens_per_block)
+        self.token_slot_bytes
     }
 
     /// Bytes of one region: `num_blocks * block_len`.
@@ -325,16 +335,17 @@ impl CacheSpec {
 
     /// Bytes of all regions together.
     pub fn total_bytes(&self) -> u64 {
-        // Checked in `new`.
-        self.region_len * u64::from(self.num_regions())
+        self.total_bytes
     }
 
     /// Where `part` of `layer` lives.
     pub fn locate(&self, layer: u32, part: Part) -> Result<PartLocation> {
         in_range(layer.into(), self.params.num_layers.into(), "layer")?;
+        // layer < num_layers <= MAX_DIM, so these region numbers fit.
+        let split_k = layer.saturating_mul(2);
         let (region, offset_in_block) = match (self.params.kind, part) {
-            (CacheKind::SplitKv, Part::Key) => (layer * 2, 0),
-            (CacheKind::SplitKv, Part::Value) => (layer * 2 + 1, 0),
+            (CacheKind::SplitKv, Part::Key) => (split_k, 0),
+            (CacheKind::SplitKv, Part::Value) => (split_k.saturating_add(1), 0),
             (CacheKind::JointKv, Part::Key) => (layer, 0),
             (CacheKind::JointKv, Part::Value) => (layer, self.part_block_len),
             (CacheKind::Mla, Part::Latent) => (layer, 0),
@@ -356,7 +367,7 @@ impl CacheSpec {
         in_range(region.into(), self.num_regions().into(), "region")?;
         in_range(block.into(), self.params.num_blocks.into(), "block")?;
         Ok(ByteRange {
-            offset: u64::from(block) * self.block_len,
+            offset: mul(block.into(), self.block_len, "block offset")?,
             len: self.block_len,
         })
     }
@@ -373,22 +384,29 @@ impl CacheSpec {
         let loc = self.locate(layer, part)?;
         in_range(block.into(), self.params.num_blocks.into(), "block")?;
         in_range(token.into(), self.params.tokens_per_block.into(), "token")?;
-        let part_base = u64::from(block) * self.block_len + loc.offset_in_block;
+        let what = "token offset";
+        let block_start = mul(block.into(), self.block_len, what)?;
+        let part_base = add(block_start, loc.offset_in_block, what)?;
         let token = u64::from(token);
         let heads = self.params.kv_heads;
         let bytes = if self.is_head_major() {
+            let head_stride = mul(
+                self.head_token_bytes,
+                self.params.tokens_per_block.into(),
+                what,
+            )?;
             StridedBytes {
                 region: loc.region,
-                offset: part_base + token * self.head_token_bytes,
+                offset: add(part_base, mul(token, self.head_token_bytes, what)?, what)?,
                 len: self.head_token_bytes,
                 count: heads,
-                stride: self.head_token_bytes * u64::from(self.params.tokens_per_block),
+                stride: head_stride,
             }
         } else {
-            let len = self.head_token_bytes * u64::from(heads);
+            let len = mul(self.head_token_bytes, heads.into(), what)?;
             StridedBytes {
                 region: loc.region,
-                offset: part_base + token * len,
+                offset: add(part_base, mul(token, len, what)?, what)?,
                 len,
                 count: 1,
                 stride: len,
@@ -408,11 +426,13 @@ impl CacheSpec {
     ) -> Result<(u32, ByteRange)> {
         in_range(head.into(), self.params.kv_heads.into(), "head")?;
         let t = self.token_bytes(layer, part, block, token)?;
-        let offset = if self.is_head_major() {
-            t.offset + u64::from(head) * t.stride
+        let step = if self.is_head_major() {
+            t.stride
         } else {
-            t.offset + u64::from(head) * self.head_token_bytes
+            self.head_token_bytes
         };
+        let what = "head offset";
+        let offset = add(t.offset, mul(head.into(), step, what)?, what)?;
         let range = ByteRange {
             offset,
             len: self.head_token_bytes,

@@ -111,7 +111,7 @@ impl TpMapping {
             sharding,
             links: Vec::new(),
         };
-        mapping.links = mapping.compute_links();
+        mapping.links = mapping.compute_links()?;
         Ok(mapping)
     }
 
@@ -152,7 +152,7 @@ impl TpMapping {
                 limit: tp.into(),
             });
         }
-        Ok(heads_of(self.total_heads(), tp, rank))
+        heads_of(self.total_heads(), tp, rank)
     }
 
     fn total_heads(&self) -> u32 {
@@ -199,27 +199,28 @@ impl TpMapping {
             .count() as u32)
     }
 
-    fn compute_links(&self) -> Vec<TpLink> {
+    fn compute_links(&self) -> Result<Vec<TpLink>> {
         let total = self.total_heads();
         let (p, d) = (self.prefill_tp, self.decode_tp);
         let mut links = Vec::new();
         let mut served = vec![false; p as usize];
         for r in 0..d {
-            let dst = heads_of(total, d, r);
+            let dst = heads_of(total, d, r)?;
             let mut current: Option<TpLink> = None;
-            for h in dst.first..dst.first + dst.count {
-                let src_rank = holder(total, p, d, h, r);
-                let src = heads_of(total, p, src_rank);
-                let src_local = h - src.first;
-                let dst_local = h - dst.first;
+            for h in dst.first..dst.first.checked_add(dst.count).ok_or_else(overflow)? {
+                let src_rank = holder(total, p, d, h, r)?;
+                let src = heads_of(total, p, src_rank)?;
+                let src_local = h.checked_sub(src.first).ok_or_else(overflow)?;
+                let dst_local = h.checked_sub(dst.first).ok_or_else(overflow)?;
                 if let Some(TpLink {
                     prefill_rank,
                     kind: LinkKind::Data(slice),
                     ..
                 }) = current.as_mut()
                 {
-                    if *prefill_rank == src_rank && slice.src_first + slice.count == src_local {
-                        slice.count += 1;
+                    let next = slice.src_first.checked_add(slice.count);
+                    if *prefill_rank == src_rank && next == Some(src_local) {
+                        slice.count = slice.count.checked_add(1).ok_or_else(overflow)?;
                         continue;
                     }
                 }
@@ -233,19 +234,24 @@ impl TpMapping {
                         count: 1,
                     }),
                 });
-                served[src_rank as usize] = true;
+                *served.get_mut(src_rank as usize).ok_or_else(overflow)? = true;
             }
             links.extend(current);
         }
         for q in (0..p).filter(|&q| !served[q as usize]) {
+            // The decode ranks spread evenly over the unserved prefill ranks: q * d / p.
+            let decode_rank = u64::from(q)
+                .checked_mul(d.into())
+                .and_then(|x| x.checked_div(p.into()))
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(overflow)?;
             links.push(TpLink {
                 prefill_rank: q,
-                // q < p and d <= MAX_DIM, so the product fits in u64.
-                decode_rank: (u64::from(q) * u64::from(d) / u64::from(p)) as u32,
+                decode_rank,
                 kind: LinkKind::NotifyOnly,
             });
         }
-        links
+        Ok(links)
     }
 }
 
@@ -255,7 +261,7 @@ fn check_divisible(tp: u32, heads: u32, what: &'static str) -> Result<()> {
     } else {
         (tp, heads)
     };
-    if big % small == 0 {
+    if big.checked_rem(small) == Some(0) {
         Ok(())
     } else {
         Err(LayoutError::NotDivisible {
@@ -266,39 +272,55 @@ fn check_divisible(tp: u32, heads: u32, what: &'static str) -> Result<()> {
     }
 }
 
+/// The error of head-mapping arithmetic that a validated mapping never reaches.
+fn overflow() -> LayoutError {
+    LayoutError::Overflow {
+        what: "head mapping",
+    }
+}
+
 /// Heads of rank `r` of a side with TP `tp` and `total` heads (divisibility checked).
-fn heads_of(total: u32, tp: u32, r: u32) -> HeadRange {
-    if tp <= total {
-        let per = total / tp;
+fn heads_of(total: u32, tp: u32, r: u32) -> Result<HeadRange> {
+    Ok(if tp <= total {
+        let per = total.checked_div(tp).ok_or_else(overflow)?;
         HeadRange {
-            first: r * per,
+            first: r.checked_mul(per).ok_or_else(overflow)?,
             count: per,
         }
     } else {
+        let ranks_per_head = tp.checked_div(total).ok_or_else(overflow)?;
         HeadRange {
-            first: r / (tp / total),
+            first: r.checked_div(ranks_per_head).ok_or_else(overflow)?,
             count: 1,
         }
-    }
+    })
 }
 
 /// The prefill rank decode rank `r` takes head `h` from. When several prefill ranks hold
 /// `h` (replication), the decode ranks needing `h` are spread over them in blocks, as the
 /// reference spreads decode ranks over prefill ranks (`r / k`).
-fn holder(total: u32, p: u32, d: u32, h: u32, r: u32) -> u32 {
-    let holders = if p <= total { 1 } else { p / total };
-    let first_holder = if p <= total {
-        h / (total / p)
+fn holder(total: u32, p: u32, d: u32, h: u32, r: u32) -> Result<u32> {
+    let (holders, first_holder) = if p <= total {
+        let heads_per_rank = total.checked_div(p).ok_or_else(overflow)?;
+        (1, h.checked_div(heads_per_rank).ok_or_else(overflow)?)
     } else {
-        h * holders
+        let holders = p.checked_div(total).ok_or_else(overflow)?;
+        (holders, h.checked_mul(holders).ok_or_else(overflow)?)
     };
     let (needing, position) = if d <= total {
         (1, 0)
     } else {
-        (d / total, r % (d / total))
+        let needing = d.checked_div(total).ok_or_else(overflow)?;
+        (needing, r.checked_rem(needing).ok_or_else(overflow)?)
     };
-    // position < needing <= MAX_DIM and holders <= MAX_DIM: the product fits in u64.
-    first_holder + (u64::from(position) * u64::from(holders) / u64::from(needing)) as u32
+    // position * holders / needing, in u64 so the product cannot overflow.
+    let offset = u64::from(position)
+        .checked_mul(holders.into())
+        .and_then(|x| x.checked_div(needing.into()))
+        .and_then(|x| u32::try_from(x).ok());
+    offset
+        .and_then(|o| first_holder.checked_add(o))
+        .ok_or_else(overflow)
 }
 
 #[cfg(test)]
