@@ -2,7 +2,8 @@
 //! bootstrap registry, registers its buffers with each prefill rank it needs (once per
 //! prefill instance), sends the room's destinations (dummy messages to ranks that only need
 //! to complete their status), and tracks chunk, aux and state notifications until the room
-//! is complete. All side-channel traffic runs on a control thread; `poll` never blocks.
+//! is complete. All side-channel traffic runs on a control thread (`control`); `poll` never
+//! blocks.
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -12,21 +13,19 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
-use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
+use kvxfer_layout::HeadSharding;
 
 use super::buffers::PushBuffers;
 use super::decode_room::DecodeRoom;
-use super::messages::{
-    self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, PushNote, RankInfo, RegisterArgs,
-    RoomRequest, ToPrefill, ToRegistry,
-};
-use super::registry::ask_registry;
+use super::messages::{self, PushNote, RegisterArgs, RoomRequest};
 use super::status::RoomStatus;
 use crate::clock::Clock;
-use crate::sidechannel::request_bytes;
 use crate::tally::Tally;
 use crate::transport::{Registration, Transport};
+
+mod control;
 use crate::wire::handshake::LayoutWire;
+use control::{Addr, Control, Done, Job};
 
 /// Settings of a decode rank.
 #[derive(Debug, Clone)]
@@ -57,48 +56,6 @@ impl PushDecodeConfig {
             request_timeout: Duration::from_secs(2),
         }
     }
-}
-
-type Addr = (String, u16);
-
-/// (TP rank, PP rank) of prefill ranks this decode rank registered with.
-type Registered = HashSet<(u32, u32)>;
-
-/// A bootstrap's result: prefill instance, its ranks, and where we are registered.
-type Bootstrapped = (u64, Vec<RankInfo>, Registered);
-
-enum Job {
-    Bootstrap {
-        room: u64,
-        addr: Addr,
-        req: RoomRequest,
-        known: Option<(u64, HashSet<(u32, u32)>)>,
-    },
-    Probe {
-        addr: Addr,
-    },
-    Abort {
-        room: u64,
-        ranks: Vec<RankInfo>,
-    },
-}
-
-enum Done {
-    Bootstrapped {
-        room: u64,
-        addr: Addr,
-        instance: u64,
-        ranks: Vec<RankInfo>,
-        registered: HashSet<(u32, u32)>,
-    },
-    BootstrapFailed {
-        room: u64,
-        reason: String,
-    },
-    Probed {
-        addr: Addr,
-        ok: bool,
-    },
 }
 
 struct Prefill {
@@ -377,151 +334,6 @@ impl<T: Transport> Drop for PushDecode<T> {
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-        }
-    }
-}
-
-/// The control thread's side: blocking side-channel requests, each bounded by a timeout.
-struct Control {
-    args: RegisterArgs,
-    config: PushDecodeConfig,
-    sharding: HeadSharding,
-}
-
-impl Control {
-    fn run(&self, job: Job) -> Done {
-        match job {
-            Job::Probe { addr } => {
-                let ok = matches!(
-                    ask_registry(
-                        &addr.0,
-                        addr.1,
-                        &ToRegistry::Health,
-                        self.config.request_timeout
-                    ),
-                    Ok(FromRegistry::Ok)
-                );
-                Done::Probed { addr, ok }
-            }
-            Job::Abort { room, ranks } => {
-                let msg = messages::encode(&ToPrefill::Abort {
-                    room,
-                    agent: self.args.agent.clone(),
-                });
-                for r in &ranks {
-                    let _ = request_bytes(
-                        &r.host,
-                        r.port,
-                        &msg,
-                        self.config.request_timeout,
-                        MAX_MESSAGE_BYTES,
-                    );
-                }
-                Done::BootstrapFailed {
-                    room,
-                    reason: "aborted by the decode engine".into(),
-                }
-            }
-            Job::Bootstrap {
-                room,
-                addr,
-                req,
-                known,
-            } => match self.bootstrap(&addr, &req, known) {
-                Ok((instance, ranks, registered)) => Done::Bootstrapped {
-                    room,
-                    addr,
-                    instance,
-                    ranks,
-                    registered,
-                },
-                Err(reason) => Done::BootstrapFailed { room, reason },
-            },
-        }
-    }
-
-    fn bootstrap(
-        &self,
-        addr: &Addr,
-        req: &RoomRequest,
-        known: Option<(u64, HashSet<(u32, u32)>)>,
-    ) -> Result<Bootstrapped, String> {
-        let t = self.config.request_timeout;
-        let deadline = std::time::Instant::now().checked_add(self.config.bootstrap_timeout);
-        let (instance, ranks) = loop {
-            match ask_registry(&addr.0, addr.1, &ToRegistry::Query, t)? {
-                FromRegistry::Layout { instance, ranks } => break (instance, ranks),
-                FromRegistry::NotReady { .. }
-                    if deadline.is_none_or(|d| std::time::Instant::now() < d) =>
-                {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                FromRegistry::NotReady {
-                    registered,
-                    expected,
-                } => {
-                    return Err(format!(
-                        "prefill registry not ready: {registered} of {expected} ranks after {:?}",
-                        self.config.bootstrap_timeout
-                    ));
-                }
-                other => return Err(format!("unexpected registry reply {other:?}")),
-            }
-        };
-        messages::check_layout(&ranks).map_err(|e| format!("prefill registry's layout: {e}"))?;
-        let first = ranks.first().ok_or("the prefill registered no ranks")?;
-        let mine = &self.args.layout;
-        if first.page_size != mine.tokens_per_block || first.dtype != mine.dtype {
-            return Err(format!(
-                "prefill page size {} / dtype {} differ from decode {} / {}",
-                first.page_size, first.dtype, mine.tokens_per_block, mine.dtype
-            ));
-        }
-        let mapping = TpMapping::new(first.tp_size, self.config.tp.1, self.sharding)
-            .map_err(|e| e.to_string())?;
-        let links = mapping
-            .links_for_decode(self.config.tp.0)
-            .map_err(|e| e.to_string())?;
-        let mut registered = match known {
-            Some((i, set)) if i == instance => set,
-            _ => HashSet::new(),
-        };
-        for rank in ranks
-            .iter()
-            .filter(|r| links.iter().any(|l| l.prefill_rank == r.tp_rank))
-        {
-            let key = (rank.tp_rank, rank.pp_rank);
-            if !registered.contains(&key) {
-                send(rank, &ToPrefill::Register(self.args.clone()), t)?;
-                registered.insert(key);
-            }
-            let data = links
-                .iter()
-                .any(|l| l.prefill_rank == rank.tp_rank && matches!(l.kind, LinkKind::Data(_)));
-            let mut msg = req.clone();
-            if !data {
-                // A dummy destination: completes the rank's status, receives no data.
-                msg.pages.clear();
-            }
-            send(rank, &ToPrefill::Room(msg), t)?;
-        }
-        Ok((instance, ranks, registered))
-    }
-}
-
-fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<(), String> {
-    let reply = request_bytes(
-        &rank.host,
-        rank.port,
-        &messages::encode(msg),
-        timeout,
-        MAX_MESSAGE_BYTES,
-    )
-    .map_err(|e| e.to_string())?;
-    match messages::decode::<FromPrefill>(&reply, "prefill reply").map_err(|e| e.to_string())? {
-        FromPrefill::Ok => Ok(()),
-        FromPrefill::Error { reason } => {
-            Err(format!("prefill rank {} refused: {reason}", rank.tp_rank))
         }
     }
 }

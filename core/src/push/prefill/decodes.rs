@@ -1,0 +1,120 @@
+//! A push prefill's decodes: checking and keeping their registrations, and checking every
+//! index a room's destinations name against what that decode registered.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use kvxfer_layout::{CacheSide, TpMapping};
+
+use super::{Decode, PushPrefill};
+use crate::push::buffers::StateKind;
+use crate::push::messages::{self, RegisterArgs, RoomRequest};
+use crate::transport::Transport;
+
+impl<T: Transport> PushPrefill<T> {
+    pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
+        let spec = args.layout.to_spec().map_err(|e| e.to_string())?;
+        let mine = &self.bufs.kv.spec;
+        if spec.tokens_per_block() != mine.tokens_per_block() || spec.dtype() != mine.dtype() {
+            return Err(format!(
+                "page size or dtype differ: decode {} tokens {}, prefill {} tokens {}",
+                spec.tokens_per_block(),
+                spec.dtype(),
+                mine.tokens_per_block(),
+                mine.dtype()
+            ));
+        }
+        CacheSide::new(&spec, &args.kv_bases, 0).map_err(|e| e.to_string())?;
+        if args.aux.len() != self.bufs.aux.len()
+            || args
+                .aux
+                .iter()
+                .zip(&self.bufs.aux)
+                .any(|(a, b)| a.item_len != b.item_len)
+        {
+            return Err("aux buffers differ in count or item length".into());
+        }
+        if args.state.len() != self.bufs.state.len()
+            || args
+                .state
+                .iter()
+                .zip(&self.bufs.state)
+                .any(|(a, b)| a.item_len != b.item_len)
+        {
+            return Err("state buffers differ in count or item length".into());
+        }
+        // Item addresses are computed from these numbers for every WRITE: none may wrap.
+        if let Some(b) = args
+            .aux
+            .iter()
+            .chain(&args.state)
+            .find(|b| b.end().is_none())
+        {
+            return Err(format!(
+                "buffer of {} items of {} bytes at {:#x} overflows the address space",
+                b.items, b.item_len, b.base
+            ));
+        }
+        let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
+            .map_err(|e| e.to_string())?;
+        if self
+            .decodes
+            .get(&args.agent)
+            .is_some_and(|d| d.args == args)
+        {
+            // The same decode registering again (once per bootstrap): keep the loaded peer,
+            // whose connection transfers in flight are using.
+            return Ok(());
+        }
+        let peer = self
+            .transport
+            .load_peer(&args.agent_metadata)
+            .map_err(|e| e.to_string())?;
+        self.decodes.insert(
+            args.agent.clone(),
+            Decode {
+                peer,
+                args,
+                spec,
+                mapping,
+            },
+        );
+        Ok(())
+    }
+
+    /// Checks every index a decode sent against what that decode registered.
+    pub(super) fn validate(&self, d: &Decode, req: &RoomRequest) -> Option<String> {
+        if req.pages.len() > messages::MAX_ROOM_PAGES {
+            return Some(format!("{} pages exceed the limit", req.pages.len()));
+        }
+        if let Some(&p) = req.pages.iter().find(|&&p| p >= d.spec.num_blocks()) {
+            return Some(format!(
+                "destination page {p} is out of range (decode has {} pages)",
+                d.spec.num_blocks()
+            ));
+        }
+        let mut sorted = req.pages.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Some("destination pages repeat".into());
+        }
+        if let Some(i) = req.aux_index {
+            if d.args.aux.iter().any(|b| i >= b.items) {
+                return Some(format!("aux index {i} is out of range"));
+            }
+        }
+        if let Some(&i) = req
+            .state_indices
+            .iter()
+            .find(|&&i| d.args.state.iter().any(|b| i >= b.items))
+        {
+            return Some(format!("state index {i} is out of range"));
+        }
+        if self.bufs.state_kind == StateKind::Mamba
+            && !req.pages.is_empty()
+            && req.state_indices.len() > 1
+        {
+            return Some("Mamba state takes exactly one index".into());
+        }
+        None
+    }
+}

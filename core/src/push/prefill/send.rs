@@ -1,0 +1,220 @@
+//! A push prefill's sends: planning each chunk against every decode rank it serves and
+//! posting the WRITEs, with aux and state items on the chunk that completes the room.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
+
+use super::{PushError, PushPrefill};
+use crate::plan::split_for;
+use crate::push::messages::{self, BufferWire, RoomRequest};
+use crate::tally::Tally;
+use crate::transport::{AddrRange, MemoryKind, Op, Transport, XferId};
+
+impl<T: Transport> PushPrefill<T> {
+    /// Sends the next chunk of a room: `pages` are this rank's source pages, paired with the
+    /// destinations' next pages. The chunk completing the room also carries aux and state.
+    pub fn send(&mut self, room: u64, pages: &[u32]) -> Result<(), PushError> {
+        let chunk = self
+            .rooms
+            .get(&room)
+            .ok_or(PushError::UnknownRoom(room))?
+            .next_chunk(room, pages.len())?;
+        let mut posted = Vec::new();
+        let mut failure = None;
+        let started = self.clock.now();
+        for dest in &chunk.dests {
+            match self.send_to(
+                dest,
+                room,
+                pages,
+                chunk.start,
+                chunk.id,
+                chunk.is_last,
+                chunk.aux_index,
+                &chunk.state_indices,
+            ) {
+                Ok(mut x) => posted.append(&mut x),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        self.metrics
+            .post_time
+            .tally(self.clock.now().saturating_sub(started));
+        self.metrics.transfers.tally(posted.len() as u64);
+        let r = self
+            .rooms
+            .get_mut(&room)
+            .ok_or(PushError::UnknownRoom(room))?;
+        r.chunk_posted(&chunk, posted, failure.clone());
+        match failure {
+            Some(e) => Err(PushError::Setup(e)),
+            None => Ok(()),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_to(
+        &mut self,
+        dest: &RoomRequest,
+        room: u64,
+        pages: &[u32],
+        start: usize,
+        chunk: u32,
+        is_last: bool,
+        aux_index: Option<u32>,
+        state_indices: &[u32],
+    ) -> Result<Vec<XferId>, String> {
+        let d = self
+            .decodes
+            .get(&dest.agent)
+            .ok_or_else(|| format!("decode {} is not registered", dest.agent))?;
+        let me = self.config.tp.0;
+        let links = d
+            .mapping
+            .links_for_decode(d.args.tp_rank)
+            .map_err(|e| e.to_string())?;
+        let Some(slice) = links.iter().find_map(|l| match l.kind {
+            LinkKind::Data(s) if l.prefill_rank == me => Some(s),
+            _ => None,
+        }) else {
+            return Ok(Vec::new());
+        };
+        // This rank writes aux (last stage) and its stage's state when it is the lowest
+        // prefill rank writing into that decode rank.
+        let designated = links
+            .iter()
+            .filter(|l| matches!(l.kind, LinkKind::Data(_)))
+            .map(|l| l.prefill_rank)
+            .min()
+            == Some(me);
+        let kv = &self.bufs.kv;
+        let src = CacheSide::new(&kv.spec, &kv.bases, kv.first_layer).map_err(|e| e.to_string())?;
+        let dst = CacheSide::new(&d.spec, &d.args.kv_bases, 0).map_err(|e| e.to_string())?;
+        let dst_pages = start
+            .checked_add(pages.len())
+            .and_then(|end| dest.pages.get(start..end))
+            .ok_or_else(|| {
+                format!(
+                    "decode {} has no pages {start}.. for this chunk",
+                    dest.agent
+                )
+            })?;
+        let pairs = BlockPairs {
+            src: pages,
+            dst: dst_pages,
+            windows: None,
+        };
+        let planning = self.clock.now();
+        plan_transfer_into(
+            &src,
+            &dst,
+            slice,
+            &pairs,
+            PlanOptions::default(),
+            &mut self.plan,
+        )
+        .map_err(|e| e.to_string())?;
+        split_for(
+            Op::Write,
+            self.plan.iter(),
+            &mut self.ranges.0,
+            &mut self.ranges.1,
+        );
+        self.metrics
+            .plan_time
+            .tally(self.clock.now().saturating_sub(planning));
+        self.metrics.kv_bytes.tally(self.plan.total_bytes);
+        self.metrics.descriptors_raw.tally(self.plan.raw_count);
+        self.metrics
+            .descriptors_posted
+            .tally(self.plan.len() as u64);
+        let (pp_rank, pp_size) = self.config.pp;
+        let mem = (kv.memory, kv.memory);
+        let mut posted = Vec::new();
+        let note = messages::kv_note(room, chunk, is_last, pp_rank);
+        posted.push(
+            self.transport
+                .post(
+                    Op::Write,
+                    d.peer,
+                    mem,
+                    &self.ranges.0,
+                    &self.ranges.1,
+                    Some(&note),
+                )
+                .map_err(|e| e.to_string())?,
+        );
+        if !is_last || !designated {
+            return Ok(posted);
+        }
+        if let (Some(src_i), Some(dst_i)) = (aux_index, dest.aux_index) {
+            if pp_rank.checked_add(1) == Some(pp_size) && !self.bufs.aux.is_empty() {
+                let (l, r) = items(&self.bufs.aux, &d.args.aux, &[src_i], &[dst_i])?;
+                let x = self.transport.post(
+                    Op::Write,
+                    d.peer,
+                    (MemoryKind::Host, MemoryKind::Host),
+                    &l,
+                    &r,
+                    Some(&messages::aux_note(room)),
+                );
+                posted.push(x.map_err(|e| e.to_string())?);
+            }
+        }
+        if !state_indices.is_empty() && !dest.state_indices.is_empty() {
+            if state_indices.len() != dest.state_indices.len() {
+                return Err(format!(
+                    "state index counts differ: prefill {}, decode {}",
+                    state_indices.len(),
+                    dest.state_indices.len()
+                ));
+            }
+            if d.args.tp_size != self.config.tp.1 && kv.spec.kind() != kvxfer_layout::CacheKind::Mla
+            {
+                return Err("state transfer needs equal TP on both sides".into());
+            }
+            let (l, r) = items(
+                &self.bufs.state,
+                &d.args.state,
+                state_indices,
+                &dest.state_indices,
+            )?;
+            let x = self.transport.post(
+                Op::Write,
+                d.peer,
+                mem,
+                &l,
+                &r,
+                Some(&messages::state_note(room, pp_rank)),
+            );
+            posted.push(x.map_err(|e| e.to_string())?);
+        }
+        Ok(posted)
+    }
+}
+
+/// Item-wise ranges of parallel buffers: item `src[i]` of each local buffer to item
+/// `dst[i]` of the matching remote buffer; an index past a buffer's end is an error.
+fn items(
+    local: &[BufferWire],
+    remote: &[BufferWire],
+    src: &[u32],
+    dst: &[u32],
+) -> Result<(Vec<AddrRange>, Vec<AddrRange>), String> {
+    let mut l = Vec::new();
+    let mut r = Vec::new();
+    for (lb, rb) in local.iter().zip(remote) {
+        for (&s, &d) in src.iter().zip(dst) {
+            let (Some(from), Some(to)) = (lb.item(s), rb.item(d)) else {
+                return Err(format!("item {s} -> {d} is outside its buffer"));
+            };
+            l.push(AddrRange::new(from, lb.item_len));
+            r.push(AddrRange::new(to, rb.item_len));
+        }
+    }
+    Ok((l, r))
+}
