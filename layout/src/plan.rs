@@ -94,8 +94,9 @@ impl<'a> CacheSide<'a> {
         regions.sort_unstable();
         let mut covered = addr;
         for base in regions {
-            if base <= covered && covered < self.region_end(base) {
-                covered = self.region_end(base);
+            // Regions in address order: one starting at or before the covered end extends it.
+            if base <= covered {
+                covered = covered.max(self.region_end(base));
             }
             if covered >= end {
                 return true;
@@ -729,6 +730,70 @@ mod tests {
         assert!(!side.contains(1063, 2), "a range may not span a gap");
         assert!(!side.contains(1064, 1));
         assert!(!side.contains(1030, 1000));
+    }
+
+    /// Plans blocks `src` → `dst` of the one-layer spec from regions at 1000 and 2000 into
+    /// regions at 5000 and 6000, coalesced.
+    fn plan(src: &[u32], dst: &[u32]) -> TransferPlan {
+        let spec = spec();
+        let (sb, db) = ([1000, 2000], [5000, 6000]);
+        let pairs = BlockPairs {
+            src,
+            dst,
+            windows: None,
+        };
+        plan_transfer(
+            &CacheSide::new(&spec, &sb, 0).unwrap(),
+            &CacheSide::new(&spec, &db, 0).unwrap(),
+            HeadSlice {
+                src_first: 0,
+                dst_first: 0,
+                count: 1,
+            },
+            &pairs,
+            PlanOptions::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_plan_reads_back_as_the_descriptors_it_holds() {
+        assert!(TransferPlan::default().is_empty());
+        // Blocks 0 → 1 and 2 → 3 of K (region 0), then of V (region 1): 16 bytes each.
+        let p = plan(&[0, 2], &[1, 3]);
+        assert!(!p.is_empty());
+        assert_eq!(p.len(), 4);
+        assert_eq!(p.src_addrs(), &[1000, 1032, 2000, 2032]);
+        assert_eq!(p.dst_addrs(), &[5016, 5048, 6016, 6048]);
+        assert_eq!(p.uniform_len(), Some(16));
+        assert_eq!(p.len_of(3), 16);
+        let d = |src, dst, len| Descriptor { src, dst, len };
+        assert_eq!(p.get(1), Some(d(1032, 5048, 16)));
+        assert_eq!(p.get(4), None);
+        let all = vec![
+            d(1000, 5016, 16),
+            d(1032, 5048, 16),
+            d(2000, 6016, 16),
+            d(2032, 6048, 16),
+        ];
+        assert_eq!(p.descriptors(), all);
+        assert_eq!(p.iter().collect::<Vec<_>>(), all);
+        assert_eq!((p.raw_count, p.total_bytes), (4, 64));
+    }
+
+    #[test]
+    fn merged_descriptors_keep_their_own_lengths() {
+        // Blocks 0, 1 → 0, 1 merge into 32 bytes; block 3 → 2 continues only the
+        // destination, so it stays a 16-byte descriptor of its own.
+        let p = plan(&[0, 1, 3], &[0, 1, 2]);
+        assert_eq!(p.uniform_len(), None);
+        assert_eq!(
+            (0..p.len()).map(|i| p.len_of(i)).collect::<Vec<_>>(),
+            vec![32, 16, 32, 16]
+        );
+        assert_eq!(p.src_addrs(), &[1000, 1048, 2000, 2048]);
+        assert_eq!(p.dst_addrs(), &[5000, 5032, 6000, 6032]);
+        assert_eq!((p.raw_count, p.total_bytes), (6, 96));
     }
 
     #[test]

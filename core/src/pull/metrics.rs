@@ -110,3 +110,68 @@ impl PullMetrics {
         self.backend.merge(&o.backend);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Every counter set to `n` (durations to `n` ms), so a merge of 2 and 3 shows a field
+    /// that was skipped (2), subtracted (underflow) or multiplied (6) instead of added (5).
+    fn all(n: u64) -> PullMetrics {
+        PullMetrics {
+            transfers: n,
+            indexed_transfers: n,
+            bytes: n,
+            descriptors_raw: n,
+            descriptors_posted: n,
+            post_time: ms(n),
+            plan_time: ms(n),
+            transfer_time: ms(n),
+            failed_handshakes: n,
+            failed_setups: n,
+            failed_transfers: n,
+            failed_notifications: n,
+            expired_leases: n,
+            refused_loads: n,
+            lost_connections: n,
+            peer_restarts: n,
+            refused_notes: n,
+            handshake_time: ms(n),
+            handshakes: n,
+            backend: BackendTelemetry {
+                transfers: n,
+                post_time: ms(n),
+                transfer_time: ms(n),
+                bytes: n,
+                descriptors: n,
+            },
+        }
+    }
+
+    #[test]
+    fn merge_adds_every_counter() {
+        let mut m = all(2);
+        m.merge(&all(3));
+        assert_eq!(m, all(5));
+    }
+
+    #[test]
+    fn telemetry_add_counts_one_transfer_and_sums_the_rest() {
+        let mut b = all(2).backend;
+        b.add(&crate::XferTelemetry {
+            post: ms(3),
+            transfer: ms(3),
+            bytes: 3,
+            descriptors: 3,
+        });
+        let want = BackendTelemetry {
+            transfers: 3,
+            ..all(5).backend
+        };
+        assert_eq!(b, want);
+    }
+}
