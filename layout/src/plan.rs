@@ -296,10 +296,7 @@ impl TransferPlan {
     fn push(&mut self, d: Descriptor) {
         self.src.push(d.src);
         self.dst.push(d.dst);
-        match &mut self.lens {
-            Lens::Uniform(l) if *l == d.len => {}
-            _ => self.push_lens(d.len, 1),
-        }
+        self.push_lens(d.len, 1);
     }
 
     /// Sets the last descriptor's length (after a merge); no-op on an empty plan.
@@ -779,6 +776,35 @@ mod tests {
         assert_eq!(p.descriptors(), all);
         assert_eq!(p.iter().collect::<Vec<_>>(), all);
         assert_eq!((p.raw_count, p.total_bytes), (4, 64));
+    }
+
+    #[test]
+    fn a_plan_merged_into_one_descriptor_keeps_one_length() {
+        // Adjacent regions on both sides and every block in order: one descriptor.
+        let spec = spec();
+        let (sb, db) = ([1000, 1064], [5000, 5064]);
+        let pairs = BlockPairs {
+            src: &[0, 1, 2, 3],
+            dst: &[0, 1, 2, 3],
+            windows: None,
+        };
+        let slice = HeadSlice {
+            src_first: 0,
+            dst_first: 0,
+            count: 1,
+        };
+        let src = CacheSide::new(&spec, &sb, 0).unwrap();
+        let dst = CacheSide::new(&spec, &db, 0).unwrap();
+        let p = plan_transfer(&src, &dst, slice, &pairs, PlanOptions::default()).unwrap();
+        assert_eq!(
+            p.descriptors(),
+            vec![Descriptor {
+                src: 1000,
+                dst: 5000,
+                len: 128
+            }]
+        );
+        assert_eq!(p.uniform_len(), Some(128));
     }
 
     #[test]

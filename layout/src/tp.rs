@@ -339,6 +339,16 @@ mod tests {
     }
 
     #[test]
+    fn a_mapping_reports_what_it_was_built_from() {
+        let m = split(2, 4, 8);
+        assert_eq!((m.prefill_tp(), m.decode_tp()), (2, 4));
+        assert_eq!(m.sharding(), HeadSharding::Split { total_kv_heads: 8 });
+        let mla = TpMapping::new(3, 1, HeadSharding::Replicated).unwrap();
+        assert_eq!((mla.prefill_tp(), mla.decode_tp()), (3, 1));
+        assert_eq!(mla.sharding(), HeadSharding::Replicated);
+    }
+
+    #[test]
     fn decode_larger_reads_head_slices() {
         // d = 2p: decode rank r reads slice r % 2 of prefill rank r / 2.
         let m = split(2, 4, 8);

@@ -180,6 +180,9 @@ fn shutdown_releases_exactly_what_was_created() {
     let c = clock();
     let mut pre = engine("shut-P", &model, 2, true, Arc::clone(&c), &lb, &no_tune);
     let mut dec = engine("shut-D", &model, 1, false, c, &lb, &no_tune);
+    // Each prefill rank reports the port its listener bound: base + rank.
+    let ports: Vec<_> = pre.workers.iter().map(|w| w.listener_port()).collect();
+    assert_eq!(ports, [Some(pre.base_port), Some(pre.base_port + 1)]);
     let params = pre.finish_prefill("r", &[1]);
     dec.start_load("r", &params, &[2], 4);
     poll_until(&mut [&mut dec], |_, f| !f[0].recving.is_empty());
