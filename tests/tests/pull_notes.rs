@@ -76,6 +76,10 @@ fn notes_from_an_agent_that_never_fetched_our_metadata_are_dropped() {
     );
     assert_eq!(pre.workers[0].take_metrics().refused_notes, 2);
     let mut reader = Sender::new("notes1-D", &pre, true);
+    // A note that is no pull note at all is counted as unknown, whoever sends it.
+    reader.note("not a pull note");
+    assert!(freed(&mut pre).is_empty());
+    assert_eq!(pre.workers[0].unknown_notifications(), 1);
     reader.note("r:1");
     assert_eq!(freed(&mut pre), vec!["r".to_string()]);
 }
