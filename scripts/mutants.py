@@ -41,9 +41,11 @@ def tests(*names: str) -> list[str]:
 
 CORE = ["cargo", "test", "-q", "-p", "kvxfer-core", "--lib"]
 LAYOUT = ["cargo", "test", "-q", "-p", "kvxfer-layout"]
-PULL = tests("pull", "pull_notes", "pull_restart")
+PULL = tests("pull", "pull_prepared", "pull_notes", "pull_restart")
 PUSH = tests("push", "push_peers")
-BOTH = tests("pull", "pull_notes", "pull_restart", "push", "push_peers")
+BOTH = tests(
+    "pull", "pull_prepared", "pull_notes", "pull_restart", "push", "push_peers"
+)
 # The slow end-to-end binaries last, only for mutants the fast scenarios missed.
 SLOW = tests("chaos", "facade")
 # About 10x the slowest phase on an unmutated tree: a mutant that leaves a scenario

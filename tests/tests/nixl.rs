@@ -169,55 +169,8 @@ fn telemetry_reaches_the_connector_metrics() {
 /// bytes are right either way.
 #[test]
 fn fragmented_requests_post_by_index() {
-    run("indexed", |f| {
-        use kvxfer_tests::pull_env::{Model, engine};
-        use kvxfer_tests::scenarios::pull::{clock, mk, no_tune, poll_until_pair};
-        for (order, p, d) in [
-            (kvxfer_layout::BlockOrder::Hnd, 2, 1),
-            (kvxfer_layout::BlockOrder::Nhd, 1, 2),
-        ] {
-            let model = Model::small(order, 4);
-            let c = clock();
-            let name = format!("idx-{order:?}-{p}{d}");
-            let mut pre = engine(
-                &format!("{name}-P"),
-                &model,
-                p,
-                true,
-                c.clone(),
-                &mk(f),
-                &no_tune,
-            );
-            let mut dec = engine(&format!("{name}-D"), &model, d, false, c, &mk(f), &no_tune);
-            let mut expected = Vec::new();
-            for (req, remote, local) in [
-                ("scattered", vec![9u32, 2, 14], vec![1u32, 11, 5]),
-                ("contiguous", vec![3, 4, 5, 6], vec![6, 7, 8, 9]),
-            ] {
-                let params = pre.finish_prefill(req, &remote);
-                dec.start_load(req, &params, &local, 4 * remote.len());
-                let mut failures = Vec::new();
-                poll_until_pair(
-                    &mut dec,
-                    &mut pre,
-                    &mut vec![false; d as usize],
-                    &mut vec![false; p as usize],
-                    &mut failures,
-                );
-                assert!(failures.is_empty(), "{failures:?}");
-                expected.extend(remote.iter().copied().zip(local.iter().copied()));
-                let mut m = kvxfer_core::pull::PullMetrics::default();
-                for w in &mut dec.workers {
-                    m.merge(&w.take_metrics());
-                }
-                let want = if req == "scattered" { m.transfers } else { 0 };
-                assert_eq!(m.indexed_transfers, want, "{name} {req}: {m:?}");
-            }
-            for (r, cache) in dec.caches.iter().enumerate() {
-                cache
-                    .verify(&expected)
-                    .unwrap_or_else(|e| panic!("{name} rank {r}: {e}"));
-            }
-        }
-    });
+    run(
+        "indexed",
+        kvxfer_tests::scenarios::pull::fragmented_requests_post_by_index,
+    );
 }

@@ -44,6 +44,9 @@ pub struct LoopbackConfig {
     pub max_notification_len: usize,
     /// A transfer is split into jobs of at least this many bytes.
     pub min_job_bytes: u64,
+    /// Answer `prefers_prepared_lists` with true, as NIXL does, so that connectors take
+    /// their prepared-list path (and tests can run it without NIXL).
+    pub prefer_prepared_lists: bool,
 }
 
 impl Default for LoopbackConfig {
@@ -53,6 +56,7 @@ impl Default for LoopbackConfig {
             max_descriptors: 1 << 22,
             max_notification_len: 64 << 10,
             min_job_bytes: 1 << 20,
+            prefer_prepared_lists: false,
         }
     }
 }
@@ -381,6 +385,10 @@ impl Drop for LoopbackTransport {
 }
 
 impl Transport for LoopbackTransport {
+    fn prefers_prepared_lists(&self) -> bool {
+        self.config.prefer_prepared_lists
+    }
+
     fn name(&self) -> &str {
         &self.shared.name
     }

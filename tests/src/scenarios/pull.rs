@@ -520,3 +520,57 @@ pub fn per_layer_windows_move_only_the_last_blocks<F: TransportFactory>(f: &F) {
         "K and V: 1 block in layer 0, 3 in layer 1"
     );
 }
+
+/// Fragmented requests go by index into per-block lists prepared at the handshake (every TP
+/// slice pattern included), mostly contiguous ones as coalesced raw plans; the bytes are
+/// right either way. For transports that prefer prepared lists (NIXL, or the loopback set
+/// to).
+pub fn fragmented_requests_post_by_index<F: TransportFactory>(f: &F) {
+    for (order, p, d) in [
+        (kvxfer_layout::BlockOrder::Hnd, 2, 1),
+        (kvxfer_layout::BlockOrder::Nhd, 1, 2),
+    ] {
+        let model = Model::small(order, 4);
+        let c = clock();
+        let name = format!("idx-{order:?}-{p}{d}");
+        let mut pre = engine(
+            &format!("{name}-P"),
+            &model,
+            p,
+            true,
+            c.clone(),
+            &mk(f),
+            &no_tune,
+        );
+        let mut dec = engine(&format!("{name}-D"), &model, d, false, c, &mk(f), &no_tune);
+        let mut expected = Vec::new();
+        for (req, remote, local) in [
+            ("scattered", vec![9u32, 2, 14], vec![1u32, 11, 5]),
+            ("contiguous", vec![3, 4, 5, 6], vec![6, 7, 8, 9]),
+        ] {
+            let params = pre.finish_prefill(req, &remote);
+            dec.start_load(req, &params, &local, 4 * remote.len());
+            let mut failures = Vec::new();
+            poll_until_pair(
+                &mut dec,
+                &mut pre,
+                &mut vec![false; d as usize],
+                &mut vec![false; p as usize],
+                &mut failures,
+            );
+            assert!(failures.is_empty(), "{failures:?}");
+            expected.extend(remote.iter().copied().zip(local.iter().copied()));
+            let mut m = kvxfer_core::pull::PullMetrics::default();
+            for w in &mut dec.workers {
+                m.merge(&w.take_metrics());
+            }
+            let want = if req == "scattered" { m.transfers } else { 0 };
+            assert_eq!(m.indexed_transfers, want, "{name} {req}: {m:?}");
+        }
+        for (r, cache) in dec.caches.iter().enumerate() {
+            cache
+                .verify(&expected)
+                .unwrap_or_else(|e| panic!("{name} rank {r}: {e}"));
+        }
+    }
+}
