@@ -268,6 +268,56 @@ fn heartbeats_keep_the_lease_while_decode_loads() {
     assert_eq!(pre.poll()[0].sending, vec!["orphan".to_string()]);
 }
 
+/// Heartbeats go out once per interval, at the interval and after it. The prefill polls
+/// before the decode at each tick, so a heartbeat sent late arrives after the lease ran out:
+/// ticks of 1 s against a 5.5 s lease catch a decode that waits past the interval, ticks of
+/// 7 s against an 8 s lease one that stays silent once more than the interval passed.
+#[test]
+fn heartbeats_go_out_at_every_interval_however_the_clock_steps() {
+    use std::time::Duration;
+    for (tick, lease) in [(1000, 5500), (7000, 8000)] {
+        let model = Model::small(BlockOrder::Hnd, 4);
+        let manual = ManualClock::default();
+        let c: Arc<dyn Clock> = Arc::new(manual.clone());
+        let tune = |cfg: &mut PullConfig| {
+            cfg.lease = Duration::from_millis(lease);
+            cfg.heartbeat_interval = Duration::from_secs(5);
+            cfg.transfer_timeout = Duration::from_secs(600);
+        };
+        let name = format!("hb{tick}");
+        let mut pre = engine(
+            &format!("{name}-P"),
+            &model,
+            1,
+            true,
+            Arc::clone(&c),
+            &lb,
+            &tune,
+        );
+        let mut dec = engine(&format!("{name}-D"), &model, 1, false, c, &lb, &tune);
+        let faults = dec.workers[0].transport().faults();
+        faults.hold_completions(true);
+        let params = pre.finish_prefill("r", &[1]);
+        dec.start_load("r", &params, &[2], 4);
+        let start = std::time::Instant::now();
+        while dec.workers[0].transport().open_transfers() == 0 {
+            dec.poll();
+            assert!(start.elapsed().as_secs() < 60);
+        }
+        for i in 0..30 {
+            manual.advance(Duration::from_millis(tick));
+            assert!(
+                pre.poll()[0].sending.is_empty(),
+                "ticks of {tick} ms: the lease expired at tick {i}"
+            );
+            assert!(dec.poll()[0].recving.is_empty());
+        }
+        faults.release_held();
+        poll_until(&mut [&mut dec], |_, f| !f[0].recving.is_empty());
+        assert_eq!(pre.workers[0].take_metrics().expired_leases, 0);
+    }
+}
+
 /// A READ that never completes (a cut link: TCP keeps retrying) is cancelled after
 /// `transfer_timeout` and its load reported failed with its blocks; not a moment before.
 #[test]
