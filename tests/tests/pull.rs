@@ -438,3 +438,42 @@ fn an_idle_wait_ends_with_the_first_finished_load() {
     let f = pre.workers[0].wait_finished(Duration::from_secs(60));
     assert_eq!(f.sending, vec!["r".to_string()], "{f:?}");
 }
+
+/// A worker registers its regions as spans: regions adjacent in memory (in any order) as
+/// one registration, so coalesced descriptors across them stay inside it; a gap splits them.
+#[test]
+fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
+    use kvxfer_core::pull::{KvCache, PullWorker};
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let spec = model.spec(4);
+    let len = spec.region_len();
+    let memory = vec![0u8; 5 * len as usize];
+    let b = memory.as_ptr() as u64;
+    for (bases, spans) in [
+        (vec![b, b + len, b + 2 * len, b + 3 * len], 1),
+        (vec![b + len, b, b + 3 * len, b + 2 * len], 1),
+        (vec![b, b + len, b + 3 * len, b + 4 * len], 2),
+        (vec![b, b + 2 * len, b + 4 * len, b + len], 2),
+    ] {
+        let mut config = PullConfig::new("spans", 0, 1);
+        config.side_channel_port = 0;
+        let kv = KvCache {
+            spec,
+            bases: bases.clone(),
+            memory: kvxfer_core::MemoryKind::Host,
+            total_kv_heads: model.heads,
+            total_layers: model.layers,
+            first_layer: 0,
+            layer_windows: None,
+        };
+        let w = PullWorker::new(lb("spans-D"), config, kv, clock()).expect("worker");
+        let (.., regions) = w.transport().resource_counts();
+        assert_eq!(
+            regions,
+            spans,
+            "bases at {:?}",
+            bases.iter().map(|x| x - b).collect::<Vec<_>>()
+        );
+    }
+    drop(memory);
+}
