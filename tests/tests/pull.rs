@@ -437,6 +437,19 @@ fn an_idle_wait_ends_with_the_first_finished_load() {
     // with it.
     let f = pre.workers[0].wait_finished(Duration::from_secs(60));
     assert_eq!(f.sending, vec!["r".to_string()], "{f:?}");
+
+    // A hold no reader has noted yet is outstanding too: the wait runs to its bound.
+    let _ = pre.finish_prefill("unread", &[7]);
+    let t = Instant::now();
+    assert!(
+        pre.workers[0]
+            .wait_finished(Duration::from_millis(200))
+            .is_empty()
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(200),
+        "a prefill holding a request did not wait for its notes"
+    );
 }
 
 /// A worker registers its regions as spans: regions adjacent in memory (in any order) as
