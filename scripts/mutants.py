@@ -48,9 +48,16 @@ BOTH = tests(
 )
 # The slow end-to-end binaries last, only for mutants the fast scenarios missed.
 SLOW = tests("chaos", "facade")
-# About 10x the slowest phase on an unmutated tree: a mutant that leaves a scenario
-# waiting for its 60 s deadline counts as a timeout, as cargo-mutants counts hangs.
-TIMEOUT_S = 75
+# Limits per phase, a few times each phase's time on an unmutated tree with a build: a
+# mutant that leaves a scenario waiting for its 60 s deadline counts as a timeout, as
+# cargo-mutants counts hangs.
+UNIT_LIMIT_S, SCENARIO_LIMIT_S, SLOW_LIMIT_S = 60, 40, 90
+
+
+def limit(i: int, cmd: list[str]) -> int:
+    if cmd is SLOW:
+        return SLOW_LIMIT_S
+    return SCENARIO_LIMIT_S if i > 0 else UNIT_LIMIT_S
 
 
 def phases(path: str) -> list[list[str]]:
@@ -76,7 +83,7 @@ def list_mutants(patterns: list[str]) -> list[dict]:
 
 
 def run(
-    cmd: list[str], cwd: Path, env: dict[str, str]
+    cmd: list[str], cwd: Path, env: dict[str, str], timeout: int
 ) -> tuple[int | None, str, float]:
     start = time.monotonic()
     try:
@@ -87,7 +94,7 @@ def run(
             env=env,
             capture_output=True,
             text=True,
-            timeout=TIMEOUT_S,
+            timeout=timeout,
         )
         return p.returncode, p.stdout + p.stderr, time.monotonic() - start
     except subprocess.TimeoutExpired:
@@ -105,7 +112,7 @@ def test_one(m: dict, wt: Path, env: dict[str, str]) -> dict:
     result, times, why = "missed", [], []
     try:
         for i, cmd in enumerate(phases(m["file"])):
-            rc, log, secs = run(cmd, wt, env)
+            rc, log, secs = run(cmd, wt, env, limit(i, cmd))
             times.append(round(secs, 1))
             if rc == 0:
                 continue
