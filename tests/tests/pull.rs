@@ -174,6 +174,45 @@ fn a_kvxfer_peer_of_another_protocol_version_is_refused_naming_both() {
     lax.caches[0].verify(&[(1, 2)]).expect("bytes");
 }
 
+/// A reference peer (vLLM's handshake, no kvxfer layout) is described by its block length:
+/// the spec derived from ours must have that length, or the load is refused naming it.
+#[test]
+fn a_reference_peer_is_checked_by_its_block_length() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("ref-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let params = pre.finish_prefill("r", &[1]);
+    let (host, port) = (
+        params.remote_host.clone().unwrap(),
+        params.remote_port.unwrap(),
+    );
+    let wait = std::time::Duration::from_secs(5);
+    let mut meta = fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap();
+    // The same prefill, announced as a reference peer would announce it.
+    meta.kvxfer_layout = None;
+    meta.kvxfer_protocol = None;
+    let as_reference = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
+    let mut at_reference = params.clone();
+    at_reference.remote_port = Some(as_reference.port());
+    let mut dec = engine("ref-D1", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
+    dec.start_load("r", &at_reference, &[2], 4);
+    poll_until(&mut [&mut dec], |_, f| {
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        !f[0].recving.is_empty()
+    });
+    dec.caches[0].verify(&[(1, 2)]).expect("bytes");
+    // One byte off: refused before anything moves.
+    meta.block_len += 1;
+    let wrong = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
+    let mut at_wrong = params.clone();
+    at_wrong.remote_port = Some(wrong.port());
+    let mut strict = engine("ref-D2", &model, 1, false, c, &lb, &no_tune);
+    strict.start_load("r", &at_wrong, &[3], 4);
+    let reason = first_failure(&mut strict)[0].reason.clone();
+    assert!(reason.contains("block_len"), "{reason}");
+    strict.caches[0].verify(&[]).expect("nothing written");
+}
+
 #[test]
 fn shutdown_releases_exactly_what_was_created() {
     let model = Model::small(BlockOrder::Hnd, 4);
