@@ -529,3 +529,41 @@ fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
     }
     drop(memory);
 }
+
+/// A setup that fails part-way (the READ from prefill rank 0 posted, the one from rank 1
+/// refused) fails the load at once with all its blocks; the posted READ is kept until it
+/// completes, then released.
+#[test]
+fn reads_posted_before_a_failed_setup_are_released_once_they_complete() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("orphan-P", &model, 2, true, Arc::clone(&c), &lb, &no_tune);
+    let mut dec = engine("orphan-D", &model, 1, false, c, &lb, &no_tune);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    faults.refuse_post_after(1);
+    let params = pre.finish_prefill("r", &[1, 2]);
+    dec.start_load("r", &params, &[5, 6], 8);
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
+    assert!(
+        failed[0].reason.contains("injected post refusal"),
+        "{}",
+        failed[0].reason
+    );
+    for _ in 0..20 {
+        dec.poll();
+        let (.., xfers, _) = dec.workers[0].transport().resource_counts();
+        assert_eq!(xfers, 1, "the posted READ was released while in flight");
+    }
+    faults.release_held();
+    let start = std::time::Instant::now();
+    while dec.workers[0].transport().resource_counts().2 > 0 {
+        dec.poll();
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "the completed READ was never released"
+        );
+        std::thread::yield_now();
+    }
+}

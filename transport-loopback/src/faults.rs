@@ -9,6 +9,8 @@ use crate::xfer::XferState;
 #[derive(Debug, Default)]
 struct Inner {
     fail_next: AtomicUsize,
+    /// 0: disarmed; `k + 1`: the post after the next `k` is refused.
+    refuse_in: AtomicUsize,
     drop_next: AtomicUsize,
     duplicate_next: AtomicUsize,
     hold: AtomicBool,
@@ -36,6 +38,14 @@ impl Faults {
     /// The next `n` transfers this agent posts fail (no byte moves).
     pub fn fail_next_transfers(&self, n: usize) {
         self.0.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    /// After `k` more posts succeed, the next post this agent makes is refused with an
+    /// error (nothing is posted): a setup that fails part-way, after some READs went out.
+    pub fn refuse_post_after(&self, k: usize) {
+        self.0
+            .refuse_in
+            .store(k.saturating_add(1), Ordering::SeqCst);
     }
 
     /// The next `n` notifications this agent sends are lost.
@@ -80,6 +90,15 @@ impl Faults {
 
     pub(crate) fn take_failure(&self) -> bool {
         take(&self.0.fail_next)
+    }
+
+    /// Counts one post down towards an armed refusal; true for the refused one.
+    pub(crate) fn take_refusal(&self) -> bool {
+        let before = self
+            .0
+            .refuse_in
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        before == Ok(1)
     }
 
     /// How many copies of a notification to deliver: 0 (dropped), 1, or 2 (duplicated).

@@ -230,6 +230,9 @@ impl LoopbackTransport {
         }
         let peer = self.peer(peer_id)?;
         let (agent, name) = (peer.agent.upgrade(), peer.name.clone());
+        if self.faults.take_refusal() {
+            return Err(TransportError::Backend("injected post refusal".into()));
+        }
         let id = XferId(self.next());
         if self.faults.take_failure() {
             self.xfers
