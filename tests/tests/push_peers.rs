@@ -365,3 +365,26 @@ fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
         assert!(register(&mut pre, args), "{what} differs and was accepted");
     }
 }
+
+/// A registry that stays "not ready" (no prefill rank ever registers) fails the decode's
+/// room after `bootstrap_timeout`, naming how many ranks registered: the decode does not
+/// keep asking until its much longer waiting timeout.
+#[test]
+fn a_registry_that_stays_not_ready_fails_the_room_after_the_bootstrap_timeout() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.decode_config = |cfg| cfg.bootstrap_timeout = Duration::from_millis(300);
+    let empty = kvxfer_core::push::BootstrapRegistry::bind("127.0.0.1", 0).expect("registry");
+    let mut dec = decode(&s, "notready", clock());
+    dec.ranks[0].add_room(1, ("127.0.0.1", empty.port()), vec![5], None, vec![]);
+    let start = Instant::now();
+    while dec.ranks[0].status(1) != Some(RoomStatus::Failed) {
+        dec.ranks[0].poll();
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "still waiting for the registry"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let error = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(error.contains("not ready: 0 of 0 ranks"), "{error}");
+}
