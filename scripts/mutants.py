@@ -4,7 +4,8 @@ cargo-mutants (27.1) runs only the mutated package's tests, but the pull and pus
 connectors are exercised by kvxfer-tests' scenarios and the layout math by kvxfer-core
 and kvxfer-tests too. This script takes cargo-mutants' list of mutants and tests each one
 in a git worktree of HEAD, in phases from cheap to slow; a mutant is caught at the first
-phase that fails, unviable when it does not build, missed when every phase passes.
+phase that fails, unviable when it does not build, missed when every phase passes, and
+unapplied when its diff does not apply to HEAD.
 Results append to a JSON-lines file, so a stopped sweep resumes where it stopped.
 
 usage: python3 scripts/mutants.py OUT.jsonl [FILE_PATTERN ...]
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,16 +50,17 @@ BOTH = tests(
 )
 # The slow end-to-end binaries last, only for mutants the fast scenarios missed.
 SLOW = tests("chaos", "facade")
-# Limits per phase, a few times each phase's time on an unmutated tree with a build: a
-# mutant that leaves a scenario waiting for its 60 s deadline counts as a timeout, as
-# cargo-mutants counts hangs.
+# Each phase builds first (under BUILD_LIMIT_S), then runs its tests under a limit a few
+# times their time on an unmutated tree: a mutant that leaves a scenario waiting for its
+# 60 s deadline counts as a timeout, as cargo-mutants counts hangs.
+BUILD_LIMIT_S = 900
 UNIT_LIMIT_S, SCENARIO_LIMIT_S, SLOW_LIMIT_S = 60, 40, 90
 
 
-def limit(i: int, cmd: list[str]) -> int:
+def limit(cmd: list[str]) -> int:
     if cmd is SLOW:
         return SLOW_LIMIT_S
-    return SCENARIO_LIMIT_S if i > 0 else UNIT_LIMIT_S
+    return UNIT_LIMIT_S if cmd in (LAYOUT, CORE) else SCENARIO_LIMIT_S
 
 
 def phases(path: str) -> list[list[str]]:
@@ -70,58 +73,66 @@ def package(pattern: str) -> str:
     return "kvxfer-layout" if pattern.startswith("layout/") else "kvxfer-core"
 
 
-def list_mutants(patterns: list[str]) -> list[dict]:
+def list_mutants(patterns: list[str], wt: Path) -> list[dict]:
+    """Lists the mutants of the worktree's own sources, so every diff applies there."""
     mutants: list[dict] = []
     for pkg in sorted({package(p) for p in patterns}):
         cmd = ["cargo", "mutants", "-p", pkg, "--list", "--json", "--diff"]
         for p in patterns:
             if package(p) == pkg:
                 cmd += ["-f", p]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        mutants += json.loads(out)
+        listed = subprocess.run(cmd, cwd=wt, capture_output=True, text=True, check=True)
+        mutants += json.loads(listed.stdout)
     return mutants
 
 
 def run(
     cmd: list[str], cwd: Path, env: dict[str, str], timeout: int
 ) -> tuple[int | None, str, float]:
+    """Runs `cmd` in a session of its own, so that a timeout kills the test binaries cargo
+    started, not only cargo."""
     start = time.monotonic()
-    try:
-        p = subprocess.run(
-            cmd,
-            check=False,
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        return p.returncode, p.stdout + p.stderr, time.monotonic() - start
-    except subprocess.TimeoutExpired:
-        return None, "", time.monotonic() - start
+    with subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as p:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+            return p.returncode, out, time.monotonic() - start
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            return None, "", time.monotonic() - start
 
 
 def test_one(m: dict, wt: Path, env: dict[str, str]) -> dict:
-    subprocess.run(
+    result, times, why = "missed", [], []
+    patch = subprocess.run(
         ["patch", "-s", "-p0", m["file"]],
         input=m["diff"],
         text=True,
         cwd=wt,
-        check=True,
+        check=False,
     )
-    result, times, why = "missed", [], []
     try:
-        for i, cmd in enumerate(phases(m["file"])):
-            rc, log, secs = run(cmd, wt, env, limit(i, cmd))
+        if patch.returncode != 0:
+            result = "unapplied"
+        for cmd in phases(m["file"]) if patch.returncode == 0 else []:
+            rc, _, _ = run([*cmd, "--no-run"], wt, env, BUILD_LIMIT_S)
+            if rc != 0:
+                result = "unviable" if rc is not None else "timeout"
+                break
+            rc, log, secs = run(cmd, wt, env, limit(cmd))
             times.append(round(secs, 1))
             if rc == 0:
                 continue
-            if rc is None:
-                result = "timeout"
-            else:
-                why = [line for line in log.splitlines() if "FAILED" in line][:2]
-                built = "error[E" not in log and "could not compile" not in log
-                result = "caught" if built or i > 0 else "unviable"
+            result = "timeout" if rc is None else "caught"
+            why = [line for line in log.splitlines() if "FAILED" in line][:2]
             break
     finally:
         subprocess.run(["git", "checkout", "-q", "--", "."], cwd=wt, check=True)
@@ -156,12 +167,12 @@ def main(argv: list[str]) -> None:
     done = set()
     if out.exists():
         done = {json.loads(line)["name"] for line in out.read_text().splitlines()}
-    mutants = [m for m in list_mutants(patterns) if m["name"] not in done]
     wt = Path(tempfile.mkdtemp(prefix="kvxfer-mutants-")) / "wt"
     subprocess.run(
         ["git", "worktree", "add", "-q", "--detach", str(wt), "HEAD"], check=True
     )
     env = dict(os.environ, CARGO_TARGET_DIR=str(wt / "target"), RUST_BACKTRACE="0")
+    mutants = [m for m in list_mutants(patterns, wt) if m["name"] not in done]
     print(f"{len(mutants)} mutants to test in {wt}", flush=True)
     for m in mutants:
         row = test_one(m, wt, env)

@@ -78,7 +78,8 @@ impl<'a> CacheSide<'a> {
     }
 
     /// True when every byte of `[addr, addr + len)` lies in registered regions (a range
-    /// may span regions that are adjacent in memory, as coalesced descriptors do).
+    /// may span regions that are adjacent in memory, as coalesced descriptors do). An
+    /// empty range is contained when `addr` lies in a region or at its end.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         let Some(end) = addr.checked_add(len) else {
             return false;

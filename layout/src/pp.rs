@@ -62,7 +62,8 @@ impl PpSplit {
             });
         };
         // The last `extra` stages take one layer more; `extra < num_stages` and
-        // `base < total_layers <= MAX_DIM`, so neither saturates.
+        // `base <= total_layers <= MAX_DIM` (`extra` is 0 when they are equal), so neither
+        // saturates.
         let first_longer = num_stages.saturating_sub(extra);
         let sizes: Vec<u32> = (0..num_stages)
             .map(|s| base.saturating_add(u32::from(s >= first_longer)))

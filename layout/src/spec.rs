@@ -234,7 +234,7 @@ impl CacheSpec {
         };
         // The whole cache must be addressable too.
         let total_bytes = mul(region_len, num_regions.into(), "cache size")?;
-        // Exact: block_len is a multiple of tokens_per_block by construction.
+        // block_len / tokens_per_block, exactly.
         let token_slot_bytes = mul(token_bytes, parts_per_block, "token slot bytes")?;
         Ok(CacheSpec {
             params,

@@ -78,8 +78,10 @@ fn notes_from_an_agent_that_never_fetched_our_metadata_are_dropped() {
     let mut reader = Sender::new("notes1-D", &pre, true);
     // A note that is no pull note at all is counted as unknown, whoever sends it.
     reader.note("not a pull note");
+    outsider.note("not a pull note either");
     assert!(freed(&mut pre).is_empty());
-    assert_eq!(pre.workers[0].unknown_notifications(), 1);
+    assert_eq!(pre.workers[0].unknown_notifications(), 2);
+    assert_eq!(pre.workers[0].take_metrics().refused_notes, 0);
     reader.note("r:1");
     assert_eq!(freed(&mut pre), vec!["r".to_string()]);
 }

@@ -385,6 +385,10 @@ fn a_registry_that_stays_not_ready_fails_the_room_after_the_bootstrap_timeout() 
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    assert!(
+        start.elapsed() >= Duration::from_millis(300),
+        "failed before the bootstrap timeout"
+    );
     let error = dec.ranks[0].error(1).unwrap_or_default();
     assert!(error.contains("not ready: 0 of 0 ranks"), "{error}");
 }

@@ -1,6 +1,7 @@
 //! Pull-connector scenarios, generic over the transport: each moves real bytes (verified
 //! against the prefill's identity-filled cache) or checks a failure path, and each can fail.
-//! Run on the loopback by `tests/pull.rs` and on NIXL by `tests/nixl.rs`. Scenarios that
+//! Run on the loopback by `tests/pull.rs` (and by `tests/pull_prepared.rs` on loopback agents
+//! that prefer prepared lists) and on NIXL by `tests/nixl.rs`. Scenarios that
 //! need injected faults (held completions, failing posts, a vanishing peer) stay with the
 //! loopback, which is the transport that can inject them.
 
