@@ -7,7 +7,8 @@ use std::sync::Arc;
 use kvxfer_core::clock::{Clock, ManualClock};
 use kvxfer_core::pull::{LoadRefused, PullConfig};
 use kvxfer_core::sidechannel::{Listener, fetch_metadata};
-use kvxfer_core::wire::handshake::{MAX_HANDSHAKE_BYTES, PROTOCOL_VERSION};
+use kvxfer_core::wire::handshake::{HandshakeMeta, MAX_HANDSHAKE_BYTES, PROTOCOL_VERSION};
+use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::loopback::Loopback;
 use kvxfer_tests::pull_env::{Model, engine, poll_until};
@@ -129,23 +130,33 @@ fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
     assert!(dec.workers[0].start_load_kv(&again).is_empty());
 }
 
+/// The handshake metadata of the prefill that `params` name.
+fn prefill_metadata(params: &KvTransferParams) -> HandshakeMeta {
+    let host = params.remote_host.clone().unwrap();
+    let port = params.remote_port.unwrap();
+    let wait = std::time::Duration::from_secs(5);
+    fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap()
+}
+
+/// Serves `meta` from a listener of its own, and `params` pointed at it: the same prefill,
+/// announced as a test wants it announced. Keep the listener while it is used.
+fn announce(params: &KvTransferParams, meta: &HandshakeMeta) -> (Listener, KvTransferParams) {
+    let listener = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
+    let mut at = params.clone();
+    at.remote_port = Some(listener.port());
+    (listener, at)
+}
+
 #[test]
 fn a_kvxfer_peer_of_another_protocol_version_is_refused_naming_both() {
     let model = Model::small(BlockOrder::Hnd, 4);
     let c = clock();
     let mut pre = engine("proto-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
     let params = pre.finish_prefill("r", &[1]);
-    let (host, port) = (
-        params.remote_host.clone().unwrap(),
-        params.remote_port.unwrap(),
-    );
-    let wait = std::time::Duration::from_secs(5);
-    let mut meta = fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap();
+    let mut meta = prefill_metadata(&params);
     meta.kvxfer_protocol = Some(PROTOCOL_VERSION + 1);
     // The same prefill, announced by a listener that claims the next protocol version.
-    let forged = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
-    let mut at_forged = params.clone();
-    at_forged.remote_port = Some(forged.port());
+    let (_forged, at_forged) = announce(&params, &meta);
     let mut strict = engine("proto-D1", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
     strict.start_load("r", &at_forged, &[2], 4);
     let reason = first_failure(&mut strict)[0].reason.clone();
@@ -157,9 +168,7 @@ fn a_kvxfer_peer_of_another_protocol_version_is_refused_naming_both() {
     strict.caches[0].verify(&[]).expect("nothing written");
     // A layout with no protocol version at all is refused too.
     meta.kvxfer_protocol = None;
-    let unversioned = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
-    let mut at_unversioned = params.clone();
-    at_unversioned.remote_port = Some(unversioned.port());
+    let (_unversioned, at_unversioned) = announce(&params, &meta);
     strict.start_load("r2", &at_unversioned, &[3], 4);
     let reason = first_failure(&mut strict)[0].reason.clone();
     assert!(reason.contains("remote none"), "{reason}");
@@ -182,18 +191,11 @@ fn a_reference_peer_is_checked_by_its_block_length() {
     let c = clock();
     let mut pre = engine("ref-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
     let params = pre.finish_prefill("r", &[1]);
-    let (host, port) = (
-        params.remote_host.clone().unwrap(),
-        params.remote_port.unwrap(),
-    );
-    let wait = std::time::Duration::from_secs(5);
-    let mut meta = fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap();
+    let mut meta = prefill_metadata(&params);
     // The same prefill, announced as a reference peer would announce it.
     meta.kvxfer_layout = None;
     meta.kvxfer_protocol = None;
-    let as_reference = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
-    let mut at_reference = params.clone();
-    at_reference.remote_port = Some(as_reference.port());
+    let (_as_reference, at_reference) = announce(&params, &meta);
     let mut dec = engine("ref-D1", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
     dec.start_load("r", &at_reference, &[2], 4);
     poll_until(&mut [&mut dec], |_, f| {
@@ -203,9 +205,7 @@ fn a_reference_peer_is_checked_by_its_block_length() {
     dec.caches[0].verify(&[(1, 2)]).expect("bytes");
     // One byte off: refused before anything moves.
     meta.block_len += 1;
-    let wrong = Listener::bind("127.0.0.1", 0, 0, meta.encode()).unwrap();
-    let mut at_wrong = params.clone();
-    at_wrong.remote_port = Some(wrong.port());
+    let (_wrong, at_wrong) = announce(&params, &meta);
     let mut strict = engine("ref-D2", &model, 1, false, c, &lb, &no_tune);
     strict.start_load("r", &at_wrong, &[3], 4);
     let reason = first_failure(&mut strict)[0].reason.clone();
