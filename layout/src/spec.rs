@@ -484,6 +484,13 @@ mod tests {
     }
 
     #[test]
+    fn a_spec_displays_every_parameter() {
+        let shown = llama8b(CacheKind::SplitKv, BlockOrder::Hnd).to_string();
+        let tail = "layers=32 kv_heads=8 head_dim=128 tokens/block=16 blocks=256";
+        assert!(shown.ends_with(tail), "{shown}");
+    }
+
+    #[test]
     fn llama_8b_sizes_match_reference() {
         let s = llama8b(CacheKind::SplitKv, BlockOrder::Hnd);
         assert_eq!(s.num_regions(), 64);
