@@ -368,6 +368,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("failed_setups", m.failed_setups)?;
     d.set_item("failed_transfers", m.failed_transfers)?;
     d.set_item("failed_notifications", m.failed_notifications)?;
+    d.set_item("heartbeats", m.heartbeats)?;
     d.set_item("expired_leases", m.expired_leases)?;
     d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("lost_connections", m.lost_connections)?;

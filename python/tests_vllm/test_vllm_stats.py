@@ -38,6 +38,7 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "failed_setups": 0,
         "failed_transfers": 1,
         "failed_notifications": 0,
+        "heartbeats": 0,
         "expired_leases": 0,
         "refused_loads": 0,
         "lost_connections": 0,

@@ -15,3 +15,4 @@ pub mod remote;
 pub mod scenarios;
 pub mod shared_mem;
 pub mod soak;
+pub mod threads;

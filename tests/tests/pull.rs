@@ -307,7 +307,7 @@ fn heartbeats_keep_the_lease_while_decode_loads() {
     assert_eq!(pre.poll()[0].sending, vec!["orphan".to_string()]);
 }
 
-/// Heartbeats go out at least once per interval, at the interval and after it. The prefill polls
+/// Heartbeats go out once per interval, at the interval and after it. The prefill polls
 /// before the decode at each tick, so a heartbeat sent late arrives after the lease ran out:
 /// ticks of 1 s against a 5.5 s lease catch a decode that waits past the interval, ticks of
 /// 7 s against an 8 s lease one that stays silent once more than the interval passed.
@@ -351,6 +351,14 @@ fn heartbeats_go_out_at_every_interval_however_the_clock_steps() {
             );
             assert!(dec.poll()[0].recving.is_empty());
         }
+        // And no more than once per interval: at 5, 10, ... 30 s with 1 s ticks, at every
+        // 7 s tick.
+        let want = if tick == 1000 { 6 } else { 30 };
+        assert_eq!(
+            dec.workers[0].take_metrics().heartbeats,
+            want,
+            "ticks of {tick} ms"
+        );
         faults.release_held();
         poll_until(&mut [&mut dec], |_, f| !f[0].recving.is_empty());
         assert_eq!(pre.workers[0].take_metrics().expired_leases, 0);
@@ -563,4 +571,31 @@ fn reads_posted_before_a_failed_setup_are_released_once_they_complete() {
         );
         std::thread::yield_now();
     }
+}
+
+/// Dropping a worker ends its handshake threads before the drop returns: none outlives the
+/// worker, not even one waiting on a prefill that accepted the connection and never answers.
+#[test]
+fn dropping_a_worker_ends_its_handshake_threads() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let tune = |c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_secs(3);
+    let mut dec = engine("joins-D", &model, 1, false, clock(), &lb, &tune);
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![1]),
+        remote_engine_id: Some("silentpf".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(silent.local_addr().expect("addr").port()),
+        ..Default::default()
+    };
+    dec.start_load("r", &params, &[5], 4);
+    let thread = "kvx-hs-silentpf";
+    let start = std::time::Instant::now();
+    while !kvxfer_tests::threads::alive(thread) {
+        assert!(dec.poll()[0].failed.is_empty());
+        assert!(start.elapsed().as_secs() < 60, "no handshake thread");
+    }
+    drop(dec);
+    assert!(!kvxfer_tests::threads::alive(thread), "outlived its worker");
 }

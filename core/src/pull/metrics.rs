@@ -29,6 +29,9 @@ pub struct PullMetrics {
     pub failed_transfers: u64,
     /// Notifications that could not be sent.
     pub failed_notifications: u64,
+    /// Heartbeat notes sent to prefill ranks holding this decode's requests (at most one per
+    /// rank and request each heartbeat interval).
+    pub heartbeats: u64,
     /// Held requests freed because their lease expired.
     pub expired_leases: u64,
     /// Loads refused because one of the same request id was already in flight.
@@ -100,6 +103,7 @@ impl PullMetrics {
         self.failed_setups += o.failed_setups;
         self.failed_transfers += o.failed_transfers;
         self.failed_notifications += o.failed_notifications;
+        self.heartbeats += o.heartbeats;
         self.expired_leases += o.expired_leases;
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
@@ -135,6 +139,7 @@ mod tests {
             failed_setups: n,
             failed_transfers: n,
             failed_notifications: n,
+            heartbeats: n,
             expired_leases: n,
             refused_loads: n,
             lost_connections: n,

@@ -33,8 +33,10 @@ impl<T: Transport> PullWorker<T> {
             self.config.max_handshake_bytes,
         );
         let started = self.clock.now();
+        // Linux keeps a thread's first 15 bytes as its name (`top -H`, /proc): a short
+        // prefix leaves room for the engine id.
         let spawned = std::thread::Builder::new()
-            .name(format!("kvxfer-handshake-{engine_id}"))
+            .name(format!("kvx-hs-{engine_id}"))
             .spawn(move || {
                 let at = Remote {
                     host: &host,

@@ -266,12 +266,12 @@ impl<T: Transport> PullWorker<T> {
                 continue;
             };
             for rank in ranks.values().filter(|r| r.lease_aware) {
-                if self
+                match self
                     .transport
                     .send_notification(rank.peer, &notify::heartbeat(&load.req.remote_req_id))
-                    .is_err()
                 {
-                    self.metrics.failed_notifications.tally(1);
+                    Ok(()) => self.metrics.heartbeats.tally(1),
+                    Err(_) => self.metrics.failed_notifications.tally(1),
                 }
             }
         }

@@ -1,0 +1,18 @@
+//! This process's threads as Linux names them, for tests that check a thread has ended.
+
+/// Names of this process's live threads (Linux keeps a name's first 15 bytes).
+pub fn names() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|n| n.trim_end().to_string())
+        .collect()
+}
+
+/// Whether a live thread of this process is named `name`.
+pub fn alive(name: &str) -> bool {
+    names().iter().any(|n| n == name)
+}
