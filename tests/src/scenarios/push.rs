@@ -431,7 +431,8 @@ pub fn abort_reaches_the_other_side<F: TransportFactory>(f: &F) {
     dec.mem[0].kv.verify(&[]).expect("nothing moved");
 }
 
-/// A prefill restarted at the same registry address serves new rooms.
+/// A prefill restarted at the same registry address serves new rooms; the decode registers
+/// with the new instance once.
 pub fn restarted_prefill_at_the_same_address_serves_new_rooms<F: TransportFactory>(f: &F) {
     let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
     let c = clock();
@@ -464,9 +465,24 @@ pub fn restarted_prefill_at_the_same_address_serves_new_rooms<F: TransportFactor
         ),
         vec![RoomStatus::Success]
     );
+    // The decode registered with the new instance once, not again for each later room.
+    assert_eq!(
+        run_room(
+            &mut pre2,
+            &mut dec,
+            3,
+            &[5],
+            &[6],
+            1,
+            None,
+            (vec![], vec![])
+        ),
+        vec![RoomStatus::Success]
+    );
+    assert_eq!(pre2.ranks[0].take_metrics().registrations, 1);
     dec.mem[0]
         .kv
-        .verify(&[(1, 2), (3, 4)])
+        .verify(&[(1, 2), (3, 4), (5, 6)])
         .expect("bytes from both instances");
 }
 

@@ -108,8 +108,10 @@ impl<T: Transport> PushDecode<T> {
             config: config.clone(),
             sharding: kv.sharding(),
         };
+        // Linux keeps a thread's first 15 bytes as its name: a short prefix leaves room for
+        // the agent's.
         let thread = std::thread::Builder::new()
-            .name(format!("kvxfer-push-{}", transport.name()))
+            .name(format!("kvx-push-{}", transport.name()))
             .spawn(move || {
                 for job in job_rx {
                     let _ = done_tx.send(ctl.run(job));
