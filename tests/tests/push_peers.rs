@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::Transport;
-use kvxfer_core::push::RoomStatus;
 use kvxfer_core::push::messages::{
-    self, BufferWire, FromPrefill, FromRegistry, RankInfo, RegisterArgs, ToPrefill, ToRegistry,
-    encode,
+    self, BufferWire, FromPrefill, FromRegistry, RankInfo, RegisterArgs, RoomRequest, ToPrefill,
+    ToRegistry, encode,
 };
+use kvxfer_core::push::{RoomStatus, StateKind};
 use kvxfer_core::sidechannel::{MessageServer, request_bytes};
 use kvxfer_core::wire::handshake::LayoutWire;
 use kvxfer_layout::BlockOrder;
@@ -214,7 +214,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
         std::thread::sleep(Duration::from_millis(1));
     }
     // The refused decode cannot open a room: the prefill does not know it.
-    let room = kvxfer_core::push::messages::RoomRequest {
+    let room = RoomRequest {
         room: 9,
         agent: "pn4-wrapper".into(),
         pages: vec![1],
@@ -253,7 +253,7 @@ fn a_decode_registers_once_for_many_rooms() {
 }
 
 /// With two pipeline stages, a room is complete only when both wrote: stage 0 alone
-/// leaves it transferring.
+/// leaves it transferring. Aux comes from the last stage only.
 #[test]
 fn a_room_waits_for_every_pipeline_stage() {
     let mut model = Model::small(BlockOrder::Hnd, 4);
@@ -279,11 +279,21 @@ fn a_room_waits_for_every_pipeline_stage() {
     });
     settle_all(&mut pre, &mut dec);
     assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Transferring));
+    assert_eq!(
+        pre.ranks[0].take_metrics().transfers,
+        1,
+        "stage 0: KV, no aux"
+    );
     pre.ranks[1].send(1, &[3]).expect("stage 1 sends");
     poll_until(&mut pre, &mut dec, |_, dec| {
         dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
     });
     assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    assert_eq!(
+        pre.ranks[1].take_metrics().transfers,
+        2,
+        "the last stage: KV and aux"
+    );
     dec.mem[0]
         .kv
         .verify(&[(3, 5)])
@@ -316,26 +326,14 @@ fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
 }
 
 /// Each difference a decode's registration may not have from the prefill's layout is
-/// refused on its own: page size, dtype, aux or state buffer count, item length.
+/// refused on its own: page size, dtype, aux or state buffer count, item length. Its regions
+/// lie far apart, so a larger page does not make them overlap (a refusal of its own).
 #[test]
 fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
     let (mut pre, dec) = waiting_room("pn7");
     let spec = dec.mem[0].kv.spec;
-    let item = BufferWire {
-        base: 0x1000,
-        item_len: kvxfer_tests::push_env::ITEM_LEN,
-        items: 4,
-    };
-    let base = |name: &str| RegisterArgs {
-        agent: name.into(),
-        agent_metadata: dec.ranks[0].transport().metadata().expect("metadata"),
-        layout: LayoutWire::from_spec(&spec, 4, 2, 0),
-        kv_bases: dec.mem[0].kv.bases(),
-        aux: vec![item],
-        state: vec![],
-        tp_size: 1,
-        tp_rank: 0,
-    };
+    let item = claimed(&dec, "", spec.num_blocks()).aux[0];
+    let base = |name: &str| claimed(&dec, name, spec.num_blocks());
     assert!(
         !register(&mut pre, base("pn7-fits")),
         "a fitting registration"
@@ -391,4 +389,226 @@ fn a_registry_that_stays_not_ready_fails_the_room_after_the_bootstrap_timeout() 
     );
     let error = dec.ranks[0].error(1).unwrap_or_default();
     assert!(error.contains("not ready: 0 of 0 ranks"), "{error}");
+}
+
+/// A registration of decode `name` claiming `num_blocks` pages per region, its regions
+/// 1 TiB apart (a registration touches no memory), one aux buffer of 4 items, no state.
+fn claimed(dec: &DecodeSide, name: &str, num_blocks: u32) -> RegisterArgs {
+    let spec = dec.mem[0].kv.spec;
+    let mut layout = LayoutWire::from_spec(&spec, 4, 2, 0);
+    layout.num_blocks = num_blocks;
+    RegisterArgs {
+        agent: name.into(),
+        agent_metadata: dec.ranks[0].transport().metadata().expect("metadata"),
+        layout,
+        kv_bases: (1..=u64::from(spec.num_regions()))
+            .map(|r| r << 40)
+            .collect(),
+        aux: vec![BufferWire {
+            base: 0x1000,
+            item_len: kvxfer_tests::push_env::ITEM_LEN,
+            items: 4,
+        }],
+        state: vec![],
+        tp_size: 1,
+        tp_rank: 0,
+    }
+}
+
+/// Sends `req` to prefill rank 0's mailbox as its decode would, and polls until the rank
+/// knows the room; returns the room's error, if it failed.
+fn open_room(pre: &mut PrefillSide, req: RoomRequest) -> Option<String> {
+    let mailbox = mailbox(pre);
+    let room = req.room;
+    let reply = request_bytes(
+        &mailbox.host,
+        mailbox.port,
+        &encode(&ToPrefill::Room(req)),
+        Duration::from_secs(30),
+        messages::MAX_MESSAGE_BYTES,
+    )
+    .expect("reply");
+    assert_eq!(
+        messages::decode::<FromPrefill>(&reply, "reply").ok(),
+        Some(FromPrefill::Ok)
+    );
+    let start = Instant::now();
+    while pre.ranks[0].status(room).is_none() {
+        pre.ranks[0].poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "room never seen");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pre.ranks[0].error(room)
+}
+
+fn room_of(agent: &str, room: u64, pages: Vec<u32>, state_indices: Vec<u32>) -> RoomRequest {
+    RoomRequest {
+        room,
+        agent: agent.into(),
+        pages,
+        aux_index: None,
+        state_indices,
+    }
+}
+
+/// A room may name up to `MAX_ROOM_PAGES` destination pages, not one more, even when the
+/// decode claims enough pages for more.
+#[test]
+fn a_room_of_more_than_max_room_pages_fails_and_one_of_exactly_that_many_does_not() {
+    let (mut pre, dec) = waiting_room("pn8");
+    let max = messages::MAX_ROOM_PAGES as u32;
+    assert!(!register(&mut pre, claimed(&dec, "pn8-big", max + 1)));
+    let exactly = open_room(&mut pre, room_of("pn8-big", 2, (0..max).collect(), vec![]));
+    assert_eq!(exactly, None);
+    let more = open_room(&mut pre, room_of("pn8-big", 3, (0..=max).collect(), vec![]))
+        .expect("more pages than the limit");
+    assert!(more.contains("exceed the limit"), "{more}");
+}
+
+/// Mamba state takes one index per room with pages: a room naming two fails, one naming
+/// one does not.
+#[test]
+fn a_mamba_room_with_two_state_indices_fails() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.state = 1;
+    s.state_kind = StateKind::Mamba;
+    let c = clock();
+    let mut pre = prefill(&s, "pn9", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn9", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], None, vec![0]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1).is_some()
+    });
+    assert_eq!(pre.ranks[0].error(1), None, "one index");
+    let agent = dec.ranks[0].transport().name().to_string();
+    let two = open_room(&mut pre, room_of(&agent, 2, vec![6], vec![0, 1])).expect("two");
+    assert!(two.contains("exactly one index"), "{two}");
+}
+
+/// The page, aux and state numbers of the room must be in the decode's range.
+#[test]
+fn rooms_naming_pages_or_items_the_decode_lacks_fail() {
+    let (mut pre, dec) = waiting_room("pn10");
+    assert!(!register(&mut pre, claimed(&dec, "pn10-small", 8)));
+    let page = open_room(&mut pre, room_of("pn10-small", 2, vec![8], vec![])).expect("page");
+    assert!(page.contains("page 8 is out of range"), "{page}");
+    let repeat = open_room(&mut pre, room_of("pn10-small", 3, vec![7, 7], vec![]));
+    assert!(repeat.expect("repeat").contains("repeat"));
+    let mut aux = room_of("pn10-small", 4, vec![7], vec![]);
+    aux.aux_index = Some(4);
+    let aux = open_room(&mut pre, aux).expect("aux");
+    assert!(aux.contains("aux index 4"), "{aux}");
+    let mut fits = room_of("pn10-small", 5, vec![0, 7], vec![]);
+    fits.aux_index = Some(3);
+    assert_eq!(open_room(&mut pre, fits), None);
+}
+
+/// A decode that registers again with other buffers (same name) is written at the new
+/// ones: the latest registration wins.
+#[test]
+fn a_decode_registering_again_with_new_buffers_is_written_at_the_new_ones() {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let c = clock();
+    let mut pre = prefill(&s, "pn11", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn11", c);
+    // Before the decode bootstraps, its name registers buffers nowhere near its memory.
+    let agent = dec.ranks[0].transport().name().to_string();
+    let spec = dec.mem[0].kv.spec;
+    assert!(!register(
+        &mut pre,
+        claimed(&dec, &agent, spec.num_blocks())
+    ));
+    let statuses = kvxfer_tests::push_env::run_room(
+        &mut pre,
+        &mut dec,
+        1,
+        &[3],
+        &[5],
+        1,
+        Some((0, 2)),
+        (vec![], vec![]),
+    );
+    assert_eq!(
+        statuses,
+        vec![RoomStatus::Success],
+        "{:?}",
+        dec.ranks[0].error(1)
+    );
+    dec.mem[0]
+        .kv
+        .verify(&[(3, 5)])
+        .expect("bytes at the new buffers");
+    assert!(dec.mem[0].aux.holds(2, 0));
+}
+
+/// Aux and state items travel with the chunk that completes the room, not before; state
+/// only when both sides name state indices.
+#[test]
+fn only_the_last_chunk_writes_aux_and_state() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.state = 1;
+    s.state_kind = StateKind::Window;
+    let c = clock();
+    let mut pre = prefill(&s, "pn12", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn12", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5, 6], Some(2), vec![4]);
+    pre.ranks[0].add_room(1, 2, Some(0), vec![1]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    pre.ranks[0].send(1, &[3]).expect("first chunk");
+    settle_all(&mut pre, &mut dec);
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Transferring));
+    assert!(dec.mem[0].aux.untouched(2), "aux before the last chunk");
+    assert!(dec.mem[0].state.untouched(4), "state before the last chunk");
+    assert_eq!(pre.ranks[0].take_metrics().transfers, 1, "KV only");
+    pre.ranks[0].send(1, &[7]).expect("last chunk");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    dec.mem[0].kv.verify(&[(3, 5), (7, 6)]).expect("bytes");
+    assert!(dec.mem[0].aux.holds(2, 0) && dec.mem[0].state.holds(4, 1));
+    // The prefill names state, the decode does not: KV and aux move, no state.
+    dec.ranks[0].add_room(2, ("127.0.0.1", port), vec![1], Some(3), vec![]);
+    pre.ranks[0].add_room(2, 1, Some(0), vec![2]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(2) == Some(RoomStatus::WaitingForInput)
+    });
+    pre.ranks[0].send(2, &[4]).expect("send");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(2).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(2), Some(RoomStatus::Success));
+    assert!(dec.mem[0].aux.holds(3, 0));
+    assert!(
+        (0..8)
+            .filter(|&i| i != 4)
+            .all(|i| dec.mem[0].state.untouched(i))
+    );
+}
+
+/// Both sides list the rooms they know, count the failed ones, and forget removed ones.
+#[test]
+fn rooms_are_listed_counted_when_failed_and_forgotten_when_removed() {
+    let (mut pre, mut dec) = waiting_room("pn13");
+    pre.ranks[0].add_room(3, 1, None, vec![]);
+    pre.ranks[0].add_room(2, 1, None, vec![]);
+    let mut rooms = pre.ranks[0].known_rooms();
+    rooms.sort_unstable();
+    assert_eq!(rooms, vec![1, 2, 3]);
+    pre.ranks[0].abort(3);
+    assert_eq!(pre.ranks[0].take_metrics().failed_rooms, 1);
+    pre.ranks[0].remove_room(3);
+    assert_eq!(pre.ranks[0].status(3), None);
+    rooms = pre.ranks[0].known_rooms();
+    rooms.sort_unstable();
+    assert_eq!(rooms, vec![1, 2]);
+    assert_eq!(pre.ranks[0].take_metrics().failed_rooms, 0);
+    dec.ranks[0].remove_room(1);
+    assert_eq!(dec.ranks[0].status(1), None);
+    dec.ranks[0].poll();
+    assert_eq!(dec.ranks[0].status(1), None);
 }
