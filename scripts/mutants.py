@@ -44,9 +44,15 @@ def tests(*names: str) -> list[str]:
 CORE = ["cargo", "test", "-q", "-p", "kvxfer-core", "--lib"]
 LAYOUT = ["cargo", "test", "-q", "-p", "kvxfer-layout"]
 PULL = tests("pull", "pull_prepared", "pull_notes", "pull_restart")
-PUSH = tests("push", "push_peers")
+PUSH = tests("push", "push_peers", "push_liveness")
 BOTH = tests(
-    "pull", "pull_prepared", "pull_notes", "pull_restart", "push", "push_peers"
+    "pull",
+    "pull_prepared",
+    "pull_notes",
+    "pull_restart",
+    "push",
+    "push_peers",
+    "push_liveness",
 )
 # The slow end-to-end binaries last, only for mutants the fast scenarios missed.
 SLOW = tests("chaos", "facade")
