@@ -105,6 +105,17 @@ fn side_ranges(
     Ok(out)
 }
 
+/// Lists of `per_block` descriptors for each of `blocks` blocks (both sides together) are
+/// prepared only when blocks have descriptors and all of them fit in [`MAX_PREPARED`].
+fn check_size(per_block: u64, blocks: u64) -> Result<(), String> {
+    if per_block == 0 || blocks.saturating_mul(per_block) > MAX_PREPARED {
+        return Err(format!(
+            "{per_block} descriptors per block over {blocks} blocks: not prepared"
+        ));
+    }
+    Ok(())
+}
+
 /// Prepares the lists of one link with `peer` (whose cache is `remote`), reading head
 /// slice `slice` into `own`. On error nothing stays prepared.
 pub fn prepare<T: Transport>(
@@ -120,13 +131,7 @@ pub fn prepare<T: Transport>(
     let (nl, nr) = (own.spec().num_blocks(), remote.spec().num_blocks());
     let local = side_ranges(remote, own, slice, true, &mut pattern)?;
     let per_block = pattern.as_ref().map_or(0, |p| p.lens.len() as u64);
-    let blocks = u64::from(nl).saturating_add(u64::from(nr));
-    let total = blocks.saturating_mul(per_block);
-    if per_block == 0 || total > MAX_PREPARED {
-        return Err(format!(
-            "{per_block} descriptors per block over {blocks} blocks: not prepared"
-        ));
-    }
+    check_size(per_block, u64::from(nl).saturating_add(u64::from(nr)))?;
     let remote_ranges = side_ranges(remote, own, slice, false, &mut pattern)?;
     let Some(p) = pattern else {
         return Err("no blocks".into());
@@ -194,6 +199,19 @@ pub fn fragmented(src: &[u32], dst: &[u32]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lists_up_to_max_prepared_descriptors_are_prepared_and_no_more() {
+        assert_eq!(check_size(1, MAX_PREPARED), Ok(()));
+        assert_eq!(check_size(4, MAX_PREPARED / 4), Ok(()));
+        assert!(check_size(1, MAX_PREPARED + 1).is_err());
+        assert!(check_size(4, MAX_PREPARED / 4 + 1).is_err());
+        assert!(
+            check_size(u64::MAX, u64::MAX).is_err(),
+            "saturates, no wrap"
+        );
+        assert!(check_size(0, 8).is_err(), "blocks without descriptors");
+    }
 
     #[test]
     fn fragmented_tells_runs_from_scatter() {

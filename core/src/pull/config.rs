@@ -114,3 +114,47 @@ impl PullConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvxfer_layout::{BlockOrder, CacheParams, Dtype};
+
+    fn cache(kind: CacheKind, kv_heads: u32) -> KvCache {
+        let spec = CacheSpec::new(CacheParams {
+            kind,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: 2,
+            kv_heads,
+            head_dim: 8,
+            tokens_per_block: 4,
+            num_blocks: 4,
+        })
+        .expect("spec");
+        KvCache {
+            spec,
+            bases: vec![0x1000; spec.num_regions() as usize],
+            memory: MemoryKind::Host,
+            total_kv_heads: 8,
+            total_layers: 2,
+            first_layer: 0,
+            layer_windows: None,
+        }
+    }
+
+    /// MLA's latent is the same on every TP rank; other caches split the model's heads.
+    #[test]
+    fn mla_is_replicated_and_other_caches_split_the_models_heads() {
+        assert_eq!(
+            cache(CacheKind::Mla, 1).sharding(),
+            HeadSharding::Replicated
+        );
+        for kind in [CacheKind::SplitKv, CacheKind::JointKv, CacheKind::PackedKv] {
+            assert_eq!(
+                cache(kind, 4).sharding(),
+                HeadSharding::Split { total_kv_heads: 8 }
+            );
+        }
+    }
+}

@@ -67,3 +67,68 @@ impl PushBuffers {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype};
+
+    /// Four regions (2 layers, K and V) at `bases`, on the GPU, with `aux` and `state`.
+    fn bufs(bases: [u64; 4], aux: Vec<BufferWire>, state: Vec<BufferWire>) -> PushBuffers {
+        let spec = CacheSpec::new(CacheParams {
+            kind: CacheKind::SplitKv,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            tokens_per_block: 4,
+            num_blocks: 2,
+        })
+        .expect("spec");
+        assert_eq!(spec.region_len(), 128);
+        PushBuffers {
+            kv: KvCache {
+                spec,
+                bases: bases.to_vec(),
+                memory: MemoryKind::Gpu { device: 0 },
+                total_kv_heads: 1,
+                total_layers: 2,
+                first_layer: 0,
+                layer_windows: None,
+            },
+            aux,
+            state,
+            state_kind: StateKind::None,
+        }
+    }
+
+    fn buf(base: u64, item_len: u64, items: u32) -> BufferWire {
+        BufferWire {
+            base,
+            item_len,
+            items,
+        }
+    }
+
+    /// Regions that touch, in any order, register as one range; a gap starts another.
+    /// Aux buffers are host memory, state buffers live with the KV; empty ones are skipped.
+    #[test]
+    fn adjacent_regions_merge_and_every_nonempty_buffer_registers() {
+        let gpu = MemoryKind::Gpu { device: 0 };
+        let b = bufs(
+            [0x1080, 0x1000, 0x2000, 0x1100],
+            vec![buf(0x9000, 16, 4), buf(0x9100, 16, 0)],
+            vec![buf(0xa000, 0, 3), buf(0xb000, 8, 2)],
+        );
+        assert_eq!(
+            b.ranges(),
+            vec![
+                (gpu, 0x1000, 0x180),
+                (gpu, 0x2000, 0x80),
+                (MemoryKind::Host, 0x9000, 64),
+                (gpu, 0xb000, 16),
+            ]
+        );
+    }
+}
