@@ -205,11 +205,34 @@ mod tests {
         assert_eq!(s.tokens_to_load(None, 50, 0), (0, false));
     }
 
+    /// Parameters that do not ask for a remote prefill (vLLM keeps them on requests that
+    /// were already loaded) load nothing.
+    #[test]
+    fn a_request_not_pulling_loads_nothing() {
+        let mut s = PullScheduler::new("D", "h", 1);
+        let mut p = remote(&[7]);
+        p.do_remote_prefill = false;
+        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), (0, false));
+        s.after_alloc("r", &mut p, &[1], 16).unwrap();
+        assert!(s.build_step_meta().recv.is_empty());
+    }
+
+    /// A request triggers one transfer even when the engine hands over a fresh copy of its
+    /// parameters each time.
+    #[test]
+    fn a_request_triggers_once_whatever_params_it_brings() {
+        let mut s = PullScheduler::new("D", "h", 1);
+        s.after_alloc("r", &mut remote(&[7]), &[1], 16).unwrap();
+        s.after_alloc("r", &mut remote(&[7]), &[1], 16).unwrap();
+        assert_eq!(s.build_step_meta().recv.len(), 1);
+    }
+
     #[test]
     fn full_prefix_hit_notifies_only_partial_hit_reads_tail() {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
-        s.after_alloc("full", &mut p, &[], 0).unwrap();
+        // A full hit loads nothing, whatever blocks the engine passes.
+        s.after_alloc("full", &mut p, &[4], 0).unwrap();
         let mut q = remote(&[7, 8, 9]);
         s.after_alloc("partial", &mut q, &[5], 16).unwrap();
         let meta = s.build_step_meta();

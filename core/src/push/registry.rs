@@ -20,17 +20,9 @@ pub struct BootstrapRegistry {
 
 type Key = (u32, u32, u32);
 
+/// A random identity, so that a decode can tell a restarted prefill from the one it knew.
 fn fresh_instance() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(1);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    nanos
-        ^ (u64::from(std::process::id()) << 32)
-        ^ COUNTER
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    rand::random()
 }
 
 fn answer(ranks: &Mutex<BTreeMap<Key, RankInfo>>, instance: u64, bytes: &[u8]) -> FromRegistry {
@@ -157,6 +149,11 @@ mod tests {
             first_layer: 0,
             num_layers: 4,
         }
+    }
+
+    #[test]
+    fn every_registry_has_its_own_instance() {
+        assert_ne!(fresh_instance(), fresh_instance());
     }
 
     #[test]
