@@ -612,3 +612,64 @@ fn rooms_are_listed_counted_when_failed_and_forgotten_when_removed() {
     dec.ranks[0].poll();
     assert_eq!(dec.ranks[0].status(1), None);
 }
+
+/// A room the prefill fails (here: state between different TP sizes, which cannot be paired
+/// item for item) fails on the decode at once, told by the prefill, not at the decode's
+/// waiting timeout; the prefill names why.
+#[test]
+fn a_room_failed_by_the_prefill_fails_on_the_decode_at_once() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 2, 1);
+    s.state = 1;
+    s.state_kind = StateKind::Window;
+    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(3600);
+    let c = clock();
+    let mut pre = prefill(&s, "pn14", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn14", c);
+    let statuses = kvxfer_tests::push_env::run_room(
+        &mut pre,
+        &mut dec,
+        1,
+        &[3],
+        &[5],
+        1,
+        Some((0, 2)),
+        (vec![1], vec![4]),
+    );
+    assert_eq!(statuses, vec![RoomStatus::Failed]);
+    let why = pre
+        .ranks
+        .iter()
+        .find_map(|p| p.error(1))
+        .expect("a prefill rank failed");
+    assert!(why.contains("equal TP"), "{why}");
+    let told = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(told.contains("aborted by the prefill"), "{told}");
+    assert!(dec.mem[0].state.untouched(4), "no state written");
+}
+
+/// A prefill engine's abort releases (cancels) the room's WRITEs before it tells the decode,
+/// which may hand the pages to other requests as soon as it knows.
+#[test]
+fn a_prefill_abort_releases_its_writes_and_tells_the_decode() {
+    let (mut pre, mut dec) = waiting_room("pn15");
+    let faults = pre.ranks[0].transport().faults();
+    faults.hold_completions(true);
+    pre.ranks[0].send(1, &[3]).expect("send");
+    assert_eq!(
+        pre.ranks[0].transport().open_transfers(),
+        2,
+        "KV and aux WRITEs in flight"
+    );
+    pre.ranks[0].abort(1);
+    assert_eq!(
+        pre.ranks[0].transport().open_transfers(),
+        0,
+        "WRITE not released"
+    );
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1) == Some(RoomStatus::Failed)
+    });
+    let told = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(told.contains("aborted by the prefill"), "{told}");
+    faults.release_held();
+}

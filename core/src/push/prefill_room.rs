@@ -8,7 +8,7 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use super::messages::RoomRequest;
@@ -31,6 +31,8 @@ pub struct PrefillRoom {
     xfers: Vec<XferId>,
     last_sent: bool,
     error: Option<String>,
+    /// Destinations told that the room failed.
+    told: HashSet<String>,
 }
 
 /// The next chunk of a room, as [`PrefillRoom::next_chunk`] lays it out.
@@ -67,6 +69,7 @@ impl PrefillRoom {
             xfers: Vec::new(),
             last_sent: false,
             error: None,
+            told: HashSet::new(),
         }
     }
 
@@ -123,6 +126,11 @@ impl PrefillRoom {
     /// decode's registration found, `required` as in [`PrefillRoom::set_engine`]. A final
     /// room ignores it.
     pub fn add_dest(&mut self, req: RoomRequest, problem: Option<String>, required: usize) {
+        if self.status == RoomStatus::Failed {
+            // Kept so that it learns of the failure (`untold_failure`).
+            self.dests.entry(req.agent.clone()).or_insert(req);
+            return;
+        }
         if self.status.is_final() {
             return;
         }
@@ -144,7 +152,23 @@ impl PrefillRoom {
             return None;
         }
         self.fail(format!("aborted by decode {agent}"));
+        self.told.insert(agent.to_string());
         Some(std::mem::take(&mut self.xfers))
+    }
+
+    /// The decode agents still to be told that the room failed, each returned once; none
+    /// unless it failed. Without this a decode would wait for data out to its
+    /// `waiting_timeout`.
+    pub fn untold_failure(&mut self) -> Vec<String> {
+        if self.status != RoomStatus::Failed {
+            return Vec::new();
+        }
+        let told = &mut self.told;
+        self.dests
+            .keys()
+            .filter(|a| told.insert((*a).clone()))
+            .cloned()
+            .collect()
     }
 
     /// Lays out the next chunk of `pages` pages of room `room`: refused unless the room
@@ -274,6 +298,34 @@ mod tests {
         r
     }
 
+    /// Every destination learns of a failure once: those known when it failed, one that asks
+    /// afterwards; not the decode that aborted it itself, and nobody while the room is fine.
+    #[test]
+    fn each_destination_is_told_of_a_failure_once() {
+        let mut r = ready(4, &[("a", 4), ("b", 4)]);
+        assert!(r.untold_failure().is_empty(), "not failed");
+        r.fail("broken".into());
+        let mut told = r.untold_failure();
+        told.sort();
+        assert_eq!(told, ["a", "b"]);
+        assert!(r.untold_failure().is_empty(), "told twice");
+        r.add_dest(dest("c", 4), None, 3);
+        assert_eq!(r.untold_failure(), ["c"]);
+        assert_eq!(r.status(), RoomStatus::Failed);
+        let mut aborted = ready(4, &[("a", 4), ("b", 4)]);
+        assert!(aborted.abort_by("a").is_some());
+        assert_eq!(aborted.untold_failure(), ["b"]);
+        let mut done = ready(1, &[("a", 1)]);
+        done.status = RoomStatus::Success;
+        done.add_dest(dest("z", 1), None, 1);
+        assert!(done.untold_failure().is_empty());
+        assert_eq!(
+            done.dest_agents().count(),
+            1,
+            "a finished room takes no destination"
+        );
+    }
+
     #[test]
     fn a_room_waits_for_the_engine_and_every_destination() {
         let mut r = PrefillRoom::new(Duration::ZERO);
@@ -322,9 +374,9 @@ mod tests {
         );
         r.add_dest(dest("b", 4), None, 1);
         assert_eq!(
-            r.dest_agents().count(),
-            1,
-            "a final room takes no destination"
+            (r.status(), r.error()),
+            (RoomStatus::Failed, Some("bad index")),
+            "a failed room stays failed; a later destination is only told"
         );
         let r = ready(4, &[("a", 0), ("b", 4)]);
         assert_eq!(

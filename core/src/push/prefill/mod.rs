@@ -296,9 +296,14 @@ impl<T: Transport> PushPrefill<T> {
             return;
         };
         r.fail("aborted by the prefill engine".into());
-        let agents: Vec<String> = r.dest_agents().map(str::to_string).collect();
+        let agents = failure_notice(&mut self.transport, r);
+        self.tell_failure(room, &agents);
+    }
+
+    /// Tells `agents` that `room` failed here, so they fail it at once.
+    fn tell_failure(&mut self, room: u64, agents: &[String]) {
         for a in agents {
-            if let Some(d) = self.decodes.get(&a) {
+            if let Some(d) = self.decodes.get(a) {
                 let _ = self
                     .transport
                     .send_notification(d.peer, &messages::abort_note(room));
@@ -313,8 +318,13 @@ impl<T: Transport> PushPrefill<T> {
         }
         let now = self.clock.now();
         let timeout = self.config.bootstrap_timeout;
+        let mut failed = Vec::new();
         for (id, r) in &mut self.rooms {
             if r.status().is_final() || r.bootstrap_timed_out(*id, now, timeout) {
+                let untold = failure_notice(&mut self.transport, r);
+                if !untold.is_empty() {
+                    failed.push((*id, untold));
+                }
                 continue;
             }
             let mut still = Vec::new();
@@ -336,6 +346,13 @@ impl<T: Transport> PushPrefill<T> {
             }
             r.keep_xfers(still);
             r.settle();
+            let untold = failure_notice(&mut self.transport, r);
+            if !untold.is_empty() {
+                failed.push((*id, untold));
+            }
+        }
+        for (room, agents) in failed {
+            self.tell_failure(room, &agents);
         }
     }
 
@@ -375,4 +392,17 @@ impl<T: Transport> PushPrefill<T> {
             .or_insert_with(|| PrefillRoom::new(now))
             .add_dest(req, problem, required);
     }
+}
+
+/// The decode agents to tell that room `r` failed (each once). Its WRITEs still in flight
+/// are released (cancelled) first: once told, a decode may hand the pages to other requests,
+/// and nothing may land in them afterwards.
+fn failure_notice<T: Transport>(t: &mut T, r: &mut PrefillRoom) -> Vec<String> {
+    let agents = r.untold_failure();
+    if !agents.is_empty() {
+        for x in r.take_xfers() {
+            let _ = t.release(x);
+        }
+    }
+    agents
 }
