@@ -673,3 +673,29 @@ fn a_prefill_abort_releases_its_writes_and_tells_the_decode() {
     assert!(told.contains("aborted by the prefill"), "{told}");
     faults.release_held();
 }
+
+/// A WRITE that fails fails the room on the prefill and, told at once, on the decode.
+#[test]
+fn a_failed_write_fails_the_room_on_both_sides_at_once() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(3600);
+    let c = clock();
+    let mut pre = prefill(&s, "pn16", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn16", c);
+    pre.ranks[0].transport().faults().fail_next_transfers(1);
+    let statuses = kvxfer_tests::push_env::run_room(
+        &mut pre,
+        &mut dec,
+        1,
+        &[3],
+        &[5],
+        1,
+        None,
+        (vec![], vec![]),
+    );
+    assert_eq!(statuses, vec![RoomStatus::Failed]);
+    let why = pre.ranks[0].error(1).unwrap_or_default();
+    assert!(why.contains("transfer failed"), "{why}");
+    let told = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(told.contains("aborted by the prefill"), "{told}");
+}
