@@ -16,3 +16,16 @@ pub fn names() -> Vec<String> {
 pub fn alive(name: &str) -> bool {
     names().iter().any(|n| n == name)
 }
+
+/// Whether no live thread is named `name` within `wait`: a joined thread leaves
+/// /proc/self/task a moment after the join returned.
+pub fn gone_within(name: &str, wait: std::time::Duration) -> bool {
+    let start = std::time::Instant::now();
+    while alive(name) {
+        if start.elapsed() > wait {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}

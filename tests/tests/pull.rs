@@ -576,6 +576,7 @@ fn reads_posted_before_a_failed_setup_are_released_once_they_complete() {
 /// Dropping a worker ends its handshake threads before the drop returns: none outlives the
 /// worker, not even one waiting on a prefill that accepted the connection and never answers.
 #[test]
+#[cfg(target_os = "linux")]
 fn dropping_a_worker_ends_its_handshake_threads() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
     let model = Model::small(BlockOrder::Hnd, 4);
@@ -595,7 +596,37 @@ fn dropping_a_worker_ends_its_handshake_threads() {
     while !kvxfer_tests::threads::alive(thread) {
         assert!(dec.poll()[0].failed.is_empty());
         assert!(start.elapsed().as_secs() < 60, "no handshake thread");
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     drop(dec);
-    assert!(!kvxfer_tests::threads::alive(thread), "outlived its worker");
+    // Not joined, the thread would wait out the 3 s handshake timeout.
+    let wait = std::time::Duration::from_millis(500);
+    assert!(
+        kvxfer_tests::threads::gone_within(thread, wait),
+        "outlived its worker"
+    );
+}
+
+/// An engine id with a NUL in it (it comes from the request's parameters) fails its load
+/// like any unreachable prefill; it does not panic the handshake thread's spawn.
+#[test]
+fn an_engine_id_with_a_nul_fails_the_load_without_a_panic() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let tune = |c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_millis(200);
+    let mut dec = engine("nulid-D", &model, 1, false, clock(), &lb, &tune);
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![1]),
+        remote_engine_id: Some("bad\0id".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    };
+    dec.start_load("r", &params, &[5], 4);
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![5]);
 }

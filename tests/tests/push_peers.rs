@@ -424,7 +424,7 @@ fn open_room(pre: &mut PrefillSide, req: RoomRequest) -> Option<String> {
         &mailbox.host,
         mailbox.port,
         &encode(&ToPrefill::Room(req)),
-        Duration::from_secs(30),
+        Duration::from_secs(120),
         messages::MAX_MESSAGE_BYTES,
     )
     .expect("reply");
@@ -613,15 +613,16 @@ fn rooms_are_listed_counted_when_failed_and_forgotten_when_removed() {
     assert_eq!(dec.ranks[0].status(1), None);
 }
 
-/// A room the prefill fails (here: state between different TP sizes, which cannot be paired
-/// item for item) fails on the decode at once, told by the prefill, not at the decode's
-/// waiting timeout; the prefill names why.
+/// A room one of two writing prefill ranks fails (TP 2 → 1; here state between different TP
+/// sizes, which cannot be paired item for item): that rank releases every WRITE it posted
+/// but does not tell the decode, which could not know that the other rank stopped writing;
+/// the decode fails the room at its waiting timeout.
 #[test]
-fn a_room_failed_by_the_prefill_fails_on_the_decode_at_once() {
+fn a_room_failed_by_one_of_two_writers_fails_on_the_decode_at_its_timeout() {
     let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 2, 1);
     s.state = 1;
     s.state_kind = StateKind::Window;
-    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(3600);
+    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(2);
     let c = clock();
     let mut pre = prefill(&s, "pn14", Arc::clone(&c), None, None);
     let mut dec = decode(&s, "pn14", c);
@@ -642,9 +643,24 @@ fn a_room_failed_by_the_prefill_fails_on_the_decode_at_once() {
         .find_map(|p| p.error(1))
         .expect("a prefill rank failed");
     assert!(why.contains("equal TP"), "{why}");
+    let decode = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(decode.contains("waited longer"), "{decode}");
+    for p in &pre.ranks {
+        assert_eq!(p.transport().open_transfers(), 0, "a WRITE left unreleased");
+    }
+    assert!(dec.mem[0].state.untouched(4), "no state written");
+}
+
+/// A live room the prefill engine removes fails, and its one-writer decode is told.
+#[test]
+fn a_room_removed_by_the_prefill_engine_fails_on_the_decode() {
+    let (mut pre, mut dec) = waiting_room("pn17");
+    pre.ranks[0].remove_room(1);
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1) == Some(RoomStatus::Failed)
+    });
     let told = dec.ranks[0].error(1).unwrap_or_default();
     assert!(told.contains("aborted by the prefill"), "{told}");
-    assert!(dec.mem[0].state.untouched(4), "no state written");
 }
 
 /// A prefill engine's abort releases (cancels) the room's WRITEs before it tells the decode,

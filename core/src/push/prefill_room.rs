@@ -127,8 +127,12 @@ impl PrefillRoom {
     /// room ignores it.
     pub fn add_dest(&mut self, req: RoomRequest, problem: Option<String>, required: usize) {
         if self.status == RoomStatus::Failed {
-            // Kept so that it learns of the failure (`untold_failure`).
-            self.dests.entry(req.agent.clone()).or_insert(req);
+            // Kept, without its pages, so that it learns of the failure (`untold_failure`).
+            self.dests.entry(req.agent.clone()).or_insert(RoomRequest {
+                pages: Vec::new(),
+                state_indices: Vec::new(),
+                ..req
+            });
             return;
         }
         if self.status.is_final() {
@@ -163,12 +167,14 @@ impl PrefillRoom {
         if self.status != RoomStatus::Failed {
             return Vec::new();
         }
-        let told = &mut self.told;
-        self.dests
+        let untold: Vec<String> = self
+            .dests
             .keys()
-            .filter(|a| told.insert((*a).clone()))
+            .filter(|a| !self.told.contains(*a))
             .cloned()
-            .collect()
+            .collect();
+        self.told.extend(untold.iter().cloned());
+        untold
     }
 
     /// Lays out the next chunk of `pages` pages of room `room`: refused unless the room

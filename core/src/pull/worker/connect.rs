@@ -35,8 +35,10 @@ impl<T: Transport> PullWorker<T> {
         let started = self.clock.now();
         // Linux keeps a thread's first 15 bytes as its name (`top -H`, /proc): a short
         // prefix leaves room for the engine id.
+        // The engine id comes from the request's parameters: a NUL in a thread's name
+        // would panic the spawn.
         let spawned = std::thread::Builder::new()
-            .name(format!("kvx-hs-{engine_id}"))
+            .name(format!("kvx-hs-{}", engine_id.replace('\0', "?")))
             .spawn(move || {
                 let at = Remote {
                     host: &host,

@@ -283,10 +283,17 @@ impl<T: Transport> PushPrefill<T> {
 
     /// Forgets a final room.
     pub fn remove_room(&mut self, room: u64) {
-        if let Some(r) = self.rooms.remove(&room) {
-            for x in r.into_xfers() {
-                let _ = self.transport.release(x);
-            }
+        let Some(mut r) = self.rooms.remove(&room) else {
+            return;
+        };
+        if !r.status().is_final() {
+            r.fail("removed by the prefill engine".into());
+        }
+        // A failed room's decodes are told before it is forgotten.
+        let agents = failure_notice(&mut self.transport, &mut r);
+        self.tell_failure(room, &agents);
+        for x in r.into_xfers() {
+            let _ = self.transport.release(x);
         }
     }
 
@@ -300,10 +307,25 @@ impl<T: Transport> PushPrefill<T> {
         self.tell_failure(room, &agents);
     }
 
-    /// Tells `agents` that `room` failed here, so they fail it at once.
+    /// Tells `agents` that `room` failed here, so they fail it at once; only those this
+    /// rank is the one writer for. Where other prefill ranks or stages also write into a
+    /// decode rank, this rank cannot know that they stopped, and a decode told now could
+    /// hand out pages they still write: such a decode fails the room at its waiting timeout.
     fn tell_failure(&mut self, room: u64, agents: &[String]) {
         for a in agents {
-            if let Some(d) = self.decodes.get(a) {
+            let Some(d) = self.decodes.get(a) else {
+                continue;
+            };
+            let writers = d
+                .mapping
+                .links_for_decode(d.args.tp_rank)
+                .map_or(0, |links| {
+                    links
+                        .iter()
+                        .filter(|l| matches!(l.kind, kvxfer_layout::LinkKind::Data(_)))
+                        .count()
+                });
+            if writers == 1 && self.config.pp.1 == 1 {
                 let _ = self
                     .transport
                     .send_notification(d.peer, &messages::abort_note(room));
@@ -395,8 +417,8 @@ impl<T: Transport> PushPrefill<T> {
 }
 
 /// The decode agents to tell that room `r` failed (each once). Its WRITEs still in flight
-/// are released (cancelled) first: once told, a decode may hand the pages to other requests,
-/// and nothing may land in them afterwards.
+/// are released first: once told, a decode may hand the pages to other requests, and the
+/// transport's `release` cancels a transfer and waits for its copies.
 fn failure_notice<T: Transport>(t: &mut T, r: &mut PrefillRoom) -> Vec<String> {
     let agents = r.untold_failure();
     if !agents.is_empty() {

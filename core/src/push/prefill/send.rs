@@ -24,7 +24,8 @@ impl<T: Transport> PushPrefill<T> {
         let mut failure = None;
         let started = self.clock.now();
         for dest in &chunk.dests {
-            match self.send_to(
+            // WRITEs posted before a failure are recorded too, so the room can release them.
+            if let Err(e) = self.send_to(
                 dest,
                 room,
                 pages,
@@ -33,12 +34,10 @@ impl<T: Transport> PushPrefill<T> {
                 chunk.is_last,
                 chunk.aux_index,
                 &chunk.state_indices,
+                &mut posted,
             ) {
-                Ok(mut x) => posted.append(&mut x),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
+                failure = Some(e);
+                break;
             }
         }
         self.metrics
@@ -67,7 +66,8 @@ impl<T: Transport> PushPrefill<T> {
         is_last: bool,
         aux_index: Option<u32>,
         state_indices: &[u32],
-    ) -> Result<Vec<XferId>, String> {
+        posted: &mut Vec<XferId>,
+    ) -> Result<(), String> {
         let d = self
             .decodes
             .get(&dest.agent)
@@ -81,7 +81,7 @@ impl<T: Transport> PushPrefill<T> {
             LinkKind::Data(s) if l.prefill_rank == me => Some(s),
             _ => None,
         }) else {
-            return Ok(Vec::new());
+            return Ok(());
         };
         // This rank writes aux (last stage) and its stage's state when it is the lowest
         // prefill rank writing into that decode rank.
@@ -134,7 +134,6 @@ impl<T: Transport> PushPrefill<T> {
             .tally(self.plan.len() as u64);
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
-        let mut posted = Vec::new();
         let note = messages::kv_note(room, chunk, is_last, pp_rank);
         posted.push(
             self.transport
@@ -149,7 +148,7 @@ impl<T: Transport> PushPrefill<T> {
                 .map_err(|e| e.to_string())?,
         );
         if !is_last || !designated {
-            return Ok(posted);
+            return Ok(());
         }
         if let (Some(src_i), Some(dst_i)) = (aux_index, dest.aux_index) {
             if pp_rank.checked_add(1) == Some(pp_size) && !self.bufs.aux.is_empty() {
@@ -193,7 +192,7 @@ impl<T: Transport> PushPrefill<T> {
             );
             posted.push(x.map_err(|e| e.to_string())?);
         }
-        Ok(posted)
+        Ok(())
     }
 }
 
