@@ -31,7 +31,9 @@ pub struct PrefillRoom {
     xfers: Vec<XferId>,
     last_sent: bool,
     error: Option<String>,
-    /// Destinations told that the room failed.
+    /// Agents that asked for the room after it failed: not destinations, only to be told.
+    late: HashSet<String>,
+    /// Destinations (and late agents) told that the room failed.
     told: HashSet<String>,
 }
 
@@ -69,6 +71,7 @@ impl PrefillRoom {
             xfers: Vec::new(),
             last_sent: false,
             error: None,
+            late: HashSet::new(),
             told: HashSet::new(),
         }
     }
@@ -127,12 +130,11 @@ impl PrefillRoom {
     /// room ignores it.
     pub fn add_dest(&mut self, req: RoomRequest, problem: Option<String>, required: usize) {
         if self.status == RoomStatus::Failed {
-            // Kept, without its pages, so that it learns of the failure (`untold_failure`).
-            self.dests.entry(req.agent.clone()).or_insert(RoomRequest {
-                pages: Vec::new(),
-                state_indices: Vec::new(),
-                ..req
-            });
+            // Noted so that it learns of the failure (`untold_failure`); a failed room's
+            // destinations do not change.
+            if !self.dests.contains_key(&req.agent) {
+                self.late.insert(req.agent);
+            }
             return;
         }
         if self.status.is_final() {
@@ -170,6 +172,7 @@ impl PrefillRoom {
         let untold: Vec<String> = self
             .dests
             .keys()
+            .chain(&self.late)
             .filter(|a| !self.told.contains(*a))
             .cloned()
             .collect();
