@@ -296,7 +296,7 @@ pub fn engine<T: Transport>(
 }
 
 /// A prefill engine like [`engine`]'s whose listeners bind exactly `base_port + rank`
-/// (a restart at the address of one that ended); `None` when those ports are taken.
+/// (a restart at the address of one that ended); `None` when those ports stay taken for 5 s.
 pub fn prefill_at<T: Transport>(
     name: &str,
     model: &Model,
@@ -306,16 +306,15 @@ pub fn prefill_at<T: Transport>(
     make: &dyn Fn(&str) -> T,
     tune: &dyn Fn(&mut PullConfig),
 ) -> Option<Engine<T>> {
-    build(
-        name,
-        model,
-        tp,
-        true,
-        std::iter::once(base_port),
-        clock,
-        make,
-        tune,
-    )
+    // The ended engine's sockets close in the background: its port may stay taken a moment.
+    for _ in 0..250 {
+        let bases = std::iter::once(base_port);
+        if let Some(e) = build(name, model, tp, true, bases, Arc::clone(&clock), make, tune) {
+            return Some(e);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    None
 }
 
 /// Builds an engine on the first base port of `bases` whose listeners bind.
