@@ -582,14 +582,7 @@ fn dropping_a_worker_ends_its_handshake_threads() {
     let model = Model::small(BlockOrder::Hnd, 4);
     let tune = |c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_secs(3);
     let mut dec = engine("joins-D", &model, 1, false, clock(), &lb, &tune);
-    let params = KvTransferParams {
-        do_remote_prefill: true,
-        remote_block_ids: Some(vec![1]),
-        remote_engine_id: Some("silentpf".into()),
-        remote_host: Some("127.0.0.1".into()),
-        remote_port: Some(silent.local_addr().expect("addr").port()),
-        ..Default::default()
-    };
+    let params = pull_block_1("silentpf", silent.local_addr().expect("addr").port());
     dec.start_load("r", &params, &[5], 4);
     let thread = "kvx-hs-silentpf";
     let start = std::time::Instant::now();
@@ -618,15 +611,20 @@ fn an_engine_id_with_a_nul_fails_the_load_without_a_panic() {
     let model = Model::small(BlockOrder::Hnd, 4);
     let tune = |c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_millis(200);
     let mut dec = engine("nulid-D", &model, 1, false, clock(), &lb, &tune);
-    let params = KvTransferParams {
-        do_remote_prefill: true,
-        remote_block_ids: Some(vec![1]),
-        remote_engine_id: Some("bad\0id".into()),
-        remote_host: Some("127.0.0.1".into()),
-        remote_port: Some(port),
-        ..Default::default()
-    };
+    let params = pull_block_1("bad\0id", port);
     dec.start_load("r", &params, &[5], 4);
     let failed = first_failure(&mut dec);
     assert_eq!(failed[0].invalid_blocks, vec![5]);
+}
+
+/// Parameters that pull block 1 from engine `engine_id` at 127.0.0.1:`port`.
+fn pull_block_1(engine_id: &str, port: u16) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![1]),
+        remote_engine_id: Some(engine_id.into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    }
 }

@@ -469,9 +469,7 @@ fn a_room_of_more_than_max_room_pages_fails_and_one_of_exactly_that_many_does_no
 /// one does not.
 #[test]
 fn a_mamba_room_with_two_state_indices_fails() {
-    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
-    s.state = 1;
-    s.state_kind = StateKind::Mamba;
+    let s = with_state(1, StateKind::Mamba);
     let c = clock();
     let mut pre = prefill(&s, "pn9", Arc::clone(&c), None, None);
     let mut dec = decode(&s, "pn9", c);
@@ -546,9 +544,7 @@ fn a_decode_registering_again_with_new_buffers_is_written_at_the_new_ones() {
 /// only when both sides name state indices.
 #[test]
 fn only_the_last_chunk_writes_aux_and_state() {
-    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
-    s.state = 1;
-    s.state_kind = StateKind::Window;
+    let s = with_state(1, StateKind::Window);
     let c = clock();
     let mut pre = prefill(&s, "pn12", Arc::clone(&c), None, None);
     let mut dec = decode(&s, "pn12", c);
@@ -619,9 +615,7 @@ fn rooms_are_listed_counted_when_failed_and_forgotten_when_removed() {
 /// the decode fails the room at its waiting timeout.
 #[test]
 fn a_room_failed_by_one_of_two_writers_fails_on_the_decode_at_its_timeout() {
-    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 2, 1);
-    s.state = 1;
-    s.state_kind = StateKind::Window;
+    let mut s = with_state(2, StateKind::Window);
     s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(2);
     let c = clock();
     let mut pre = prefill(&s, "pn14", Arc::clone(&c), None, None);
@@ -714,4 +708,12 @@ fn a_failed_write_fails_the_room_on_both_sides_at_once() {
     assert!(why.contains("transfer failed"), "{why}");
     let told = dec.ranks[0].error(1).unwrap_or_default();
     assert!(told.contains("aborted by the prefill"), "{told}");
+}
+
+/// Prefill TP `p` → decode TP 1, one state buffer of `kind` per rank.
+fn with_state(p: u32, kind: StateKind) -> Setup {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), p, 1);
+    s.state = 1;
+    s.state_kind = kind;
+    s
 }
