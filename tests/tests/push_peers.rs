@@ -717,3 +717,70 @@ fn with_state(p: u32, kind: StateKind) -> Setup {
     s.state_kind = kind;
     s
 }
+
+/// SGLang's order: the decode's destinations arrive before the engine knows the room's size,
+/// and the prefill reports them ready only once all have asked (two decode ranks take from
+/// this one); the engine adds the room then. A failed room is not ready.
+#[test]
+fn destinations_are_ready_once_every_decode_rank_asked_before_the_engine_adds_the_room() {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 2);
+    let c = clock();
+    let mut pre = prefill(&s, "pn20", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn20", c);
+    let port = pre.registry.port();
+    assert!(!pre.ranks[0].destinations_ready(1), "unknown room");
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], Some(2), vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1).is_some()
+    });
+    settle_all(&mut pre, &mut dec);
+    assert!(
+        !pre.ranks[0].destinations_ready(1),
+        "one of two decode ranks asked"
+    );
+    dec.ranks[1].add_room(1, ("127.0.0.1", port), vec![6], Some(2), vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].destinations_ready(1)
+    });
+    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::Bootstrapping));
+    pre.ranks[0].add_room(1, 1, Some(0), vec![]);
+    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::WaitingForInput));
+    pre.ranks[0].send(1, &[2]).expect("the one chunk");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        (0..2).all(|r| dec.ranks[r].status(1) == Some(RoomStatus::Success))
+    });
+    pre.ranks[0].abort(1);
+    assert!(!pre.ranks[0].destinations_ready(1), "a failed room");
+}
+
+/// State indices handed over with the last chunk replace those the room was added with; a
+/// final or unknown room takes none.
+#[test]
+fn state_indices_set_before_the_last_chunk_are_the_ones_written() {
+    let s = with_state(1, StateKind::Window);
+    let c = clock();
+    let mut pre = prefill(&s, "pn21", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn21", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], Some(2), vec![4]);
+    pre.ranks[0].add_room(1, 1, Some(0), vec![7]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    pre.ranks[0]
+        .set_state_indices(1, vec![1])
+        .expect("a live room");
+    pre.ranks[0].send(1, &[2]).expect("the one chunk");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1) == Some(RoomStatus::Success)
+    });
+    assert!(dec.mem[0].state.holds(4, 1), "the replacing index's item");
+    assert!(
+        pre.ranks[0].set_state_indices(1, vec![0]).is_err(),
+        "a final room takes no new indices"
+    );
+    assert!(
+        pre.ranks[0].set_state_indices(9, vec![0]).is_err(),
+        "unknown room"
+    );
+}

@@ -26,6 +26,8 @@ pub struct PrefillRoom {
     aux_index: Option<u32>,
     state_indices: Vec<u32>,
     dests: HashMap<String, RoomRequest>,
+    /// Destinations this rank serves per room, known once one asked.
+    required: Option<usize>,
     sent: usize,
     chunk: u32,
     xfers: Vec<XferId>,
@@ -66,6 +68,7 @@ impl PrefillRoom {
             aux_index: None,
             state_indices: Vec::new(),
             dests: HashMap::new(),
+            required: None,
             sent: 0,
             chunk: 0,
             xfers: Vec::new(),
@@ -89,6 +92,13 @@ impl PrefillRoom {
     /// Whether a decode asked for the room before the engine added it.
     pub fn requested(&self) -> bool {
         self.total.is_none() && !self.status.is_final() && !self.dests.is_empty()
+    }
+
+    /// Whether every decode destination this rank serves has asked for the room (and it
+    /// has not failed): an engine that learns of a room's destinations before it knows the
+    /// room's size (SGLang's `WaitingForInput` before `init`) may add it now.
+    pub fn all_asked(&self) -> bool {
+        self.status != RoomStatus::Failed && self.required.is_some_and(|n| self.dests.len() >= n)
     }
 
     /// The agents of the decode destinations.
@@ -125,6 +135,12 @@ impl PrefillRoom {
         }
     }
 
+    /// Replaces the engine's state indices (sent with the last chunk), for an engine that
+    /// knows them only when it sends that chunk.
+    pub fn set_state(&mut self, state_indices: Vec<u32>) {
+        self.state_indices = state_indices;
+    }
+
     /// A decode destination asked for the room; `problem` is what validating it against the
     /// decode's registration found, `required` as in [`PrefillRoom::set_engine`]. A final
     /// room ignores it.
@@ -142,6 +158,7 @@ impl PrefillRoom {
         }
         let problem = problem.or_else(|| self.total.and_then(|t| validate_len(&req, t)));
         self.dests.insert(req.agent.clone(), req);
+        self.required = Some(required);
         match problem {
             Some(reason) => self.fail(reason),
             None if self.dests.len() >= required && self.total.is_some() => {
@@ -339,8 +356,10 @@ mod tests {
     fn a_room_waits_for_the_engine_and_every_destination() {
         let mut r = PrefillRoom::new(Duration::ZERO);
         assert!(!r.requested());
+        assert!(!r.all_asked(), "nobody asked");
         r.add_dest(dest("a", 4), None, 2);
         assert!(r.requested(), "asked before the engine added it");
+        assert!(!r.all_asked(), "one of two destinations asked");
         assert_eq!(r.dest_agents().collect::<Vec<_>>(), ["a"]);
         r.set_engine(4, None, Vec::new(), Some(2));
         assert!(!r.requested());
@@ -351,12 +370,19 @@ mod tests {
         );
         r.add_dest(dest("b", 4), None, 2);
         assert_eq!(r.status(), RoomStatus::WaitingForInput);
+        assert!(r.all_asked());
+        r.fail("broken".into());
+        assert!(!r.all_asked(), "a failed room is not ready");
         let mut early = PrefillRoom::new(Duration::ZERO);
         early.add_dest(dest("a", 4), None, 1);
         assert_eq!(
             early.status(),
             RoomStatus::Bootstrapping,
             "no engine side yet"
+        );
+        assert!(
+            early.all_asked(),
+            "its one destination asked before the engine added it"
         );
         early.set_engine(4, None, Vec::new(), Some(1));
         assert_eq!(early.status(), RoomStatus::WaitingForInput);

@@ -251,6 +251,27 @@ impl<T: Transport> PushPrefill<T> {
             .set_engine(total_pages, aux_index, state_indices, required);
     }
 
+    /// Replaces a room's state indices before its last chunk: SGLang hands them over with
+    /// that chunk, not when it adds the room.
+    pub fn set_state_indices(
+        &mut self,
+        room: u64,
+        state_indices: Vec<u32>,
+    ) -> Result<(), PushError> {
+        let r = self
+            .rooms
+            .get_mut(&room)
+            .ok_or(PushError::UnknownRoom(room))?;
+        if r.status().is_final() {
+            return Err(PushError::NotReady {
+                room,
+                status: r.status(),
+            });
+        }
+        r.set_state(state_indices);
+        Ok(())
+    }
+
     /// Status of a room.
     pub fn status(&self, room: u64) -> Option<RoomStatus> {
         self.rooms.get(&room).map(PrefillRoom::status)
@@ -272,6 +293,12 @@ impl<T: Transport> PushPrefill<T> {
             .collect();
         v.sort_unstable();
         v
+    }
+
+    /// Whether every decode destination this rank serves has asked for `room` and it has
+    /// not failed: for an engine that sizes a room only once its destinations are known.
+    pub fn destinations_ready(&self, room: u64) -> bool {
+        self.rooms.get(&room).is_some_and(PrefillRoom::all_asked)
     }
 
     /// Why a room failed.
