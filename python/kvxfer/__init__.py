@@ -6,6 +6,9 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
   exchange metadata, READ/WRITE with notifications, poll status, drain notifications.
 - :class:`PullScheduler` and :class:`PullWorker` — the two halves of the pull connector
   (decode READs the prefill's blocks); what crosses between them is JSON text.
+- :class:`PushRegistry`, :class:`PushPrefill` and :class:`PushDecode` — the push connector
+  (prefill WRITEs into decode): a prefill instance's bootstrap registry and one rank of each
+  side. :mod:`kvxfer.sglang` runs them as SGLang's ``kvxfer`` transfer backend.
 - :func:`ucx_version` — the UCX library the ``ucx`` transport uses in this process, and
   :mod:`kvxfer.ucx` to choose it.
 - The exceptions, all subclasses of :class:`KvxferError`.
@@ -25,6 +28,9 @@ from kvxfer._kvxfer import (
     PeerGoneError,
     PullScheduler,
     PullWorker,
+    PushDecode,
+    PushPrefill,
+    PushRegistry,
     ShutDownError,
     SideChannelError,
     TransferFailedError,
@@ -48,6 +54,9 @@ __all__ = [
     "PeerGoneError",
     "PullScheduler",
     "PullWorker",
+    "PushDecode",
+    "PushPrefill",
+    "PushRegistry",
     "ShutDownError",
     "SideChannelError",
     "TransferFailedError",

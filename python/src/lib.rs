@@ -1,11 +1,15 @@
 //! `kvxfer._kvxfer`: the Python extension module. Thin bindings over the Rust core — the
-//! transport agent (`agent`), the pull connector halves (`pull`) — with typed exceptions
-//! (`errors`) and memory checks at the boundary (`memory`).
+//! transport agent (`agent`), the pull connector halves (`pull`), the push connector's
+//! registry and ranks (`push`) — with typed exceptions (`errors`), the cache description
+//! (`cache`) and checks at the boundary (`args`, `memory`).
 
 mod agent;
+mod args;
+mod cache;
 mod errors;
 mod memory;
 mod pull;
+mod push;
 
 use pyo3::prelude::*;
 
@@ -26,6 +30,9 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<agent::Agent>()?;
     m.add_class::<pull::PullScheduler>()?;
     m.add_class::<pull::PullWorker>()?;
+    m.add_class::<push::PushRegistry>()?;
+    m.add_class::<push::PushPrefill>()?;
+    m.add_class::<push::PushDecode>()?;
     errors::add_all(m)?;
     Ok(())
 }

@@ -8,16 +8,16 @@ use std::time::Duration;
 
 use kvxfer::AnyTransport;
 use kvxfer_core::clock::SystemClock;
-use kvxfer_core::pull::{FailurePolicy, KvCache, PullConfig, PullMetrics, StepMeta};
+use kvxfer_core::pull;
+use kvxfer_core::pull::{FailurePolicy, PullConfig, PullMetrics, StepMeta};
 use kvxfer_core::wire::params::KvTransferParams;
-use kvxfer_core::{MemoryKind, pull};
-use kvxfer_layout::{CacheParams, CacheSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::agent::{memory_kind, transport_kind};
+use crate::agent::transport_kind;
+use crate::args::{seconds, seconds_or_zero};
+use crate::cache::{self, CacheArgs};
 use crate::errors::{self, InvalidArgumentError, LayoutError, ShutDownError, SideChannelError};
-use crate::memory::check_host_mapped;
 
 /// Largest step metadata accepted from the engine (block lists of many long prompts).
 const MAX_STEP_META_BYTES: usize = 64 << 20;
@@ -26,27 +26,6 @@ fn params(json: Option<&str>) -> PyResult<Option<KvTransferParams>> {
     json.map(|j| KvTransferParams::from_json(j.as_bytes()))
         .transpose()
         .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
-}
-
-fn seconds(what: &str, s: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            InvalidArgumentError::new_err(format!("{what} must be a positive number of seconds"))
-        })
-}
-
-/// Like [`seconds`], zero allowed.
-fn seconds_or_zero(what: &str, s: f64) -> PyResult<Duration> {
-    if s == 0.0 {
-        return Ok(Duration::ZERO);
-    }
-    seconds(what, s).map_err(|_| {
-        InvalidArgumentError::new_err(format!(
-            "{what} must be zero or a positive number of seconds"
-        ))
-    })
 }
 
 /// Longest `get_finished` wait: the engine's step waits on it.
@@ -189,31 +168,21 @@ impl PullWorker {
         enforce_compat: bool,
         prepared_lists: bool,
     ) -> PyResult<Self> {
-        let layout = |e: kvxfer_layout::LayoutError| LayoutError::new_err(e.to_string());
-        let spec = CacheSpec::new(CacheParams {
-            kind: kind.parse().map_err(layout)?,
-            order: order.parse().map_err(layout)?,
-            dtype: dtype.parse().map_err(layout)?,
+        let cache = cache::build(CacheArgs {
+            kind,
+            order,
+            dtype,
             num_layers,
             kv_heads,
             head_dim,
             tokens_per_block,
             num_blocks,
-        })
-        .map_err(layout)?;
-        if bases.len() != spec.num_regions() as usize {
-            return Err(LayoutError::new_err(format!(
-                "{} region bases given, the layout has {} regions",
-                bases.len(),
-                spec.num_regions()
-            )));
-        }
-        let mem = memory_kind(memory)?;
-        if mem == MemoryKind::Host {
-            for &b in &bases {
-                check_host_mapped(kvxfer_core::AddrRange::new(b, spec.region_len()))?;
-            }
-        }
+            bases,
+            total_kv_heads,
+            total_layers,
+            first_layer,
+            memory,
+        })?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}"
@@ -242,15 +211,6 @@ impl PullWorker {
         };
         config.enforce_compat = enforce_compat;
         config.prepared_lists = prepared_lists;
-        let cache = KvCache {
-            spec,
-            bases,
-            memory: mem,
-            total_kv_heads,
-            total_layers,
-            first_layer,
-            layer_windows: None,
-        };
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();
         let worker = py.detach(move || {

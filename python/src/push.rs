@@ -1,0 +1,475 @@
+//! The push connector for Python: `PushRegistry` (the prefill instance's bootstrap
+//! registry), `PushPrefill` (one prefill rank: takes decode destinations, WRITEs each room's
+//! chunks) and `PushDecode` (one decode rank: registers with the prefill ranks it needs, sends
+//! each room's destinations, tracks completion). Statuses are SGLang's `KVPoll` numbers:
+//! 0 failed, 1 bootstrapping, 2 waiting for input, 3 transferring, 4 success.
+
+use std::sync::{Arc, Mutex};
+
+use kvxfer::AnyTransport;
+use kvxfer_core::MemoryKind;
+use kvxfer_core::clock::SystemClock;
+use kvxfer_core::push::messages::BufferWire;
+use kvxfer_core::push::{self, PushBuffers, PushError, PushMetrics, StateKind};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::agent::transport_kind;
+use crate::args::seconds;
+use crate::cache;
+use crate::errors::{
+    self, InvalidArgumentError, KvxferError, ShutDownError, SideChannelError, TransferFailedError,
+};
+use crate::memory::check_host_mapped;
+
+/// `(base, item_len, items)` triples as the push side registers them.
+type Buffers = Vec<(u64, u64, u32)>;
+
+/// The rank's buffers: the KV cache `layout` (the keys `PullWorker` takes), aux buffers
+/// (host memory) and state buffers (beside the KV cache), each checked to be mapped.
+fn buffers(
+    layout: &Bound<'_, PyDict>,
+    aux: Buffers,
+    state: Buffers,
+    state_kind: &str,
+) -> PyResult<PushBuffers> {
+    let kv = cache::from_dict(layout)?;
+    let state_kind = match state_kind {
+        "none" => StateKind::None,
+        "mamba" => StateKind::Mamba,
+        "window" => StateKind::Window,
+        other => {
+            return Err(InvalidArgumentError::new_err(format!(
+                "state_kind {other:?}: expected none, mamba or window"
+            )));
+        }
+    };
+    if state_kind == StateKind::None && !state.is_empty() {
+        return Err(InvalidArgumentError::new_err(
+            "state buffers given with state_kind none",
+        ));
+    }
+    let wire = |list: Buffers, host: bool| -> PyResult<Vec<BufferWire>> {
+        list.into_iter()
+            .map(|(base, item_len, items)| {
+                let b = BufferWire {
+                    base,
+                    item_len,
+                    items,
+                };
+                let len = b.end().map(|e| e - base).ok_or_else(|| {
+                    InvalidArgumentError::new_err("a buffer's size overflows the address space")
+                })?;
+                if host && len > 0 {
+                    check_host_mapped(kvxfer_core::AddrRange::new(base, len))?;
+                }
+                Ok(b)
+            })
+            .collect()
+    };
+    let state_host = kv.memory == MemoryKind::Host;
+    Ok(PushBuffers {
+        aux: wire(aux, true)?,
+        state: wire(state, state_host)?,
+        state_kind,
+        kv,
+    })
+}
+
+/// A shared, lockable connector half that `shutdown` ends.
+struct Slot<T>(Mutex<Option<T>>);
+
+impl<T: Send> Slot<T> {
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mut T) -> PyResult<R> + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            let mut guard = self.0.lock().map_err(|_| {
+                KvxferError::new_err(format!("{what} state poisoned by an earlier panic"))
+            })?;
+            let inner = guard
+                .as_mut()
+                .ok_or_else(|| ShutDownError::new_err(format!("the {what} was shut down")))?;
+            f(inner)
+        })
+    }
+
+    /// Drops the inner value (its threads stop, its memory is deregistered) outside the GIL.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| {
+            let taken = match self.0.lock() {
+                Ok(mut g) => g.take(),
+                Err(p) => p.into_inner().take(),
+            };
+            drop(taken);
+        });
+    }
+}
+
+fn push_error(e: PushError) -> PyErr {
+    match e {
+        PushError::Setup(s) => TransferFailedError::new_err(s),
+        other => InvalidArgumentError::new_err(other.to_string()),
+    }
+}
+
+/// A prefill instance's bootstrap registry: its ranks register, decodes ask for the layout.
+/// A restarted instance's registry has a new `instance` id, which tells decodes to register
+/// again.
+#[pyclass(module = "kvxfer._kvxfer", frozen)]
+pub struct PushRegistry {
+    inner: Slot<push::BootstrapRegistry>,
+    port: u16,
+    instance: u64,
+}
+
+#[pymethods]
+impl PushRegistry {
+    /// Serves on `host:port` (0 picks a free port).
+    #[new]
+    #[pyo3(signature = (host = "127.0.0.1", port = 0))]
+    fn new(py: Python<'_>, host: &str, port: u16) -> PyResult<Self> {
+        let r = py
+            .detach(|| push::BootstrapRegistry::bind(host, port))
+            .map_err(SideChannelError::new_err)?;
+        Ok(PushRegistry {
+            port: r.port(),
+            instance: r.instance(),
+            inner: Slot(Mutex::new(Some(r))),
+        })
+    }
+
+    /// The bound port.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// This prefill instance's random id.
+    #[getter]
+    fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// Stops serving. Calling it twice is fine.
+    fn shutdown(&self, py: Python<'_>) {
+        self.inner.shutdown(py);
+    }
+}
+
+/// One prefill rank over a transport of its own.
+#[pyclass(module = "kvxfer._kvxfer", frozen)]
+pub struct PushPrefill {
+    inner: Slot<push::PushPrefill<AnyTransport>>,
+    port: u16,
+}
+
+#[pymethods]
+impl PushPrefill {
+    /// Registers the buffers, opens this rank's mailbox on `host:port` and registers the rank
+    /// with the registry at `registry`.
+    #[new]
+    #[pyo3(signature = (
+        agent_name, transport, layout, *, registry, tp_rank, tp_size, pp_rank = 0,
+        pp_size = 1, aux = Vec::new(), state = Vec::new(), state_kind = "none",
+        host = "127.0.0.1", port = 0, bootstrap_timeout = 300.0, request_timeout = 2.0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        agent_name: &str,
+        transport: &str,
+        layout: &Bound<'_, PyDict>,
+        registry: (String, u16),
+        tp_rank: u32,
+        tp_size: u32,
+        pp_rank: u32,
+        pp_size: u32,
+        aux: Buffers,
+        state: Buffers,
+        state_kind: &str,
+        host: &str,
+        port: u16,
+        bootstrap_timeout: f64,
+        request_timeout: f64,
+    ) -> PyResult<Self> {
+        let bufs = buffers(layout, aux, state, state_kind)?;
+        if tp_size == 0 || tp_rank >= tp_size || pp_size == 0 || pp_rank >= pp_size {
+            return Err(InvalidArgumentError::new_err(format!(
+                "tp_rank {tp_rank} of tp_size {tp_size}, pp_rank {pp_rank} of pp_size {pp_size}"
+            )));
+        }
+        let config = push::PushPrefillConfig {
+            tp: (tp_rank, tp_size),
+            pp: (pp_rank, pp_size),
+            host: host.into(),
+            port,
+            registry,
+            bootstrap_timeout: seconds("bootstrap_timeout", bootstrap_timeout)?,
+            request_timeout: seconds("request_timeout", request_timeout)?,
+        };
+        let tkind = transport_kind(transport)?;
+        let name = agent_name.to_string();
+        let p = py.detach(move || {
+            let t = kvxfer::open(tkind, &name).map_err(errors::transport)?;
+            push::PushPrefill::new(t, config, bufs, Arc::new(SystemClock::default()))
+                .map_err(|e| SideChannelError::new_err(e.to_string()))
+        })?;
+        Ok(PushPrefill {
+            port: p.port(),
+            inner: Slot(Mutex::new(Some(p))),
+        })
+    }
+
+    /// The mailbox port.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Adds a room this rank sends `total_pages` pages of, with the engine's `aux_index` and
+    /// `state_indices` (sent with the last chunk).
+    #[pyo3(signature = (room, total_pages, aux_index = None, state_indices = Vec::new()))]
+    fn add_room(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        total_pages: usize,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+    ) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            p.add_room(room, total_pages, aux_index, state_indices);
+            Ok(())
+        })
+    }
+
+    /// Whether every decode destination of `room` this rank serves has asked for it.
+    fn destinations_ready(&self, py: Python<'_>, room: u64) -> PyResult<bool> {
+        self.inner
+            .with(py, "prefill", |p| Ok(p.destinations_ready(room)))
+    }
+
+    /// Sends the room's next chunk from this rank's `pages`; the chunk that completes the room
+    /// also carries aux and state (`state_indices` replaces those given to `add_room`).
+    /// Raises `InvalidArgumentError` when the room is unknown, not ready or has fewer pages
+    /// left, `TransferFailedError` when posting failed (the room has failed then).
+    #[pyo3(signature = (room, pages, state_indices = None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        pages: Vec<u32>,
+        state_indices: Option<Vec<u32>>,
+    ) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            if let Some(s) = state_indices {
+                p.set_state_indices(room, s).map_err(push_error)?;
+            }
+            p.send(room, &pages).map_err(push_error)
+        })
+    }
+
+    /// The room's status (0–4), or `None` for a room this rank has not heard of.
+    fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
+        self.inner
+            .with(py, "prefill", |p| Ok(p.status(room).map(|s| s as u8)))
+    }
+
+    /// Why the room failed.
+    fn error(&self, py: Python<'_>, room: u64) -> PyResult<Option<String>> {
+        self.inner.with(py, "prefill", |p| Ok(p.error(room)))
+    }
+
+    /// Fails the room, releases its transfers and tells the decodes it alone writes into.
+    fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            p.abort(room);
+            Ok(())
+        })
+    }
+
+    /// Forgets a room (a live one fails first).
+    fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            p.remove_room(room);
+            Ok(())
+        })
+    }
+
+    /// Takes in decode registrations and destinations, completes transfers, times rooms out.
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            p.poll();
+            Ok(())
+        })
+    }
+
+    /// Control messages refused (unknown agent, malformed content).
+    fn refused(&self, py: Python<'_>) -> PyResult<u64> {
+        self.inner.with(py, "prefill", |p| Ok(p.refused()))
+    }
+
+    /// Counters since the last call (reset on read), durations in seconds.
+    fn take_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.inner.with(py, "prefill", |p| Ok(p.take_metrics()))?;
+        metrics_dict(py, &m)
+    }
+
+    /// Closes the mailbox, releases transfers and deregisters memory. Calling it twice is
+    /// fine; other calls afterwards raise `ShutDownError`.
+    fn shutdown(&self, py: Python<'_>) {
+        self.inner.shutdown(py);
+    }
+}
+
+fn metrics_dict<'py>(py: Python<'py>, m: &PushMetrics) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("transfers", m.transfers)?;
+    d.set_item("kv_bytes", m.kv_bytes)?;
+    d.set_item("descriptors_raw", m.descriptors_raw)?;
+    d.set_item("descriptors_posted", m.descriptors_posted)?;
+    d.set_item("post_time", m.post_time.as_secs_f64())?;
+    d.set_item("plan_time", m.plan_time.as_secs_f64())?;
+    d.set_item("failed_rooms", m.failed_rooms)?;
+    d.set_item("registrations", m.registrations)?;
+    Ok(d)
+}
+
+/// One decode rank over a transport of its own.
+#[pyclass(module = "kvxfer._kvxfer", frozen)]
+pub struct PushDecode {
+    inner: Slot<push::PushDecode<AnyTransport>>,
+}
+
+#[pymethods]
+impl PushDecode {
+    /// Registers the buffers and starts the control thread.
+    #[new]
+    #[pyo3(signature = (
+        agent_name, transport, layout, *, tp_rank, tp_size, aux = Vec::new(),
+        state = Vec::new(), state_kind = "none", waiting_timeout = 300.0,
+        bootstrap_timeout = 30.0, heartbeat_interval = 5.0, max_heartbeat_failures = 2,
+        request_timeout = 2.0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        agent_name: &str,
+        transport: &str,
+        layout: &Bound<'_, PyDict>,
+        tp_rank: u32,
+        tp_size: u32,
+        aux: Buffers,
+        state: Buffers,
+        state_kind: &str,
+        waiting_timeout: f64,
+        bootstrap_timeout: f64,
+        heartbeat_interval: f64,
+        max_heartbeat_failures: u32,
+        request_timeout: f64,
+    ) -> PyResult<Self> {
+        let bufs = buffers(layout, aux, state, state_kind)?;
+        if tp_size == 0 || tp_rank >= tp_size {
+            return Err(InvalidArgumentError::new_err(format!(
+                "tp_rank {tp_rank} of tp_size {tp_size}"
+            )));
+        }
+        if max_heartbeat_failures == 0 {
+            return Err(InvalidArgumentError::new_err(
+                "max_heartbeat_failures must be at least 1",
+            ));
+        }
+        let mut config = push::PushDecodeConfig::new(tp_rank, tp_size);
+        config.waiting_timeout = seconds("waiting_timeout", waiting_timeout)?;
+        config.bootstrap_timeout = seconds("bootstrap_timeout", bootstrap_timeout)?;
+        config.heartbeat_interval = seconds("heartbeat_interval", heartbeat_interval)?;
+        config.max_heartbeat_failures = max_heartbeat_failures;
+        config.request_timeout = seconds("request_timeout", request_timeout)?;
+        let tkind = transport_kind(transport)?;
+        let name = agent_name.to_string();
+        let d = py.detach(move || {
+            let t = kvxfer::open(tkind, &name).map_err(errors::transport)?;
+            push::PushDecode::new(t, config, bufs, Arc::new(SystemClock::default()))
+                .map_err(errors::KvxferError::new_err)
+        })?;
+        Ok(PushDecode {
+            inner: Slot(Mutex::new(Some(d))),
+        })
+    }
+
+    /// Starts receiving `room` from the prefill whose registry is at `registry`: this rank's
+    /// destination `pages` (empty for a rank that only completes its status), `aux_index` and
+    /// `state_indices`. Never blocks: the control thread talks to the prefill.
+    #[pyo3(signature = (room, registry, pages, aux_index = None, state_indices = Vec::new()))]
+    fn add_room(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        registry: (String, u16),
+        pages: Vec<u32>,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+    ) -> PyResult<()> {
+        self.inner.with(py, "decode", |d| {
+            d.add_room(
+                room,
+                (&registry.0, registry.1),
+                pages,
+                aux_index,
+                state_indices,
+            );
+            Ok(())
+        })
+    }
+
+    /// The room's status (0–4), or `None` for an unknown room.
+    fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
+        self.inner
+            .with(py, "decode", |d| Ok(d.status(room).map(|s| s as u8)))
+    }
+
+    /// Why the room failed.
+    fn error(&self, py: Python<'_>, room: u64) -> PyResult<Option<String>> {
+        self.inner.with(py, "decode", |d| Ok(d.error(room)))
+    }
+
+    /// Gives up on the room and tells its prefill ranks.
+    fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.inner.with(py, "decode", |d| {
+            d.abort(room);
+            Ok(())
+        })
+    }
+
+    /// Forgets a room.
+    fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.inner.with(py, "decode", |d| {
+            d.remove_room(room);
+            Ok(())
+        })
+    }
+
+    /// Processes control results, notifications, timeouts and heartbeats. Never blocks.
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.with(py, "decode", |d| {
+            d.poll();
+            Ok(())
+        })
+    }
+
+    /// Notifications that matched no room or writer.
+    fn unknown_notifications(&self, py: Python<'_>) -> PyResult<u64> {
+        self.inner
+            .with(py, "decode", |d| Ok(d.unknown_notifications()))
+    }
+
+    /// Stops the control thread and deregisters memory. Calling it twice is fine; other
+    /// calls afterwards raise `ShutDownError`.
+    fn shutdown(&self, py: Python<'_>) {
+        self.inner.shutdown(py);
+    }
+}
