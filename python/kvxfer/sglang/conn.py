@@ -1,0 +1,463 @@
+"""SGLang's disaggregation backend classes, driven by kvxfer's push connector.
+
+SGLang's own machinery stays where the engine relies on it: the manager and the bootstrap server
+subclass SGLang's common classes, so the HTTP bootstrap server, its ``/route`` registry, the
+decode's parallel-info table and the prefill's rank registration are SGLang's. What a backend
+owns runs in kvxfer: the bootstrap server also runs a :class:`kvxfer.PushRegistry` (found at its
+``/kvxfer`` route); each prefill rank is a :class:`kvxfer.PushPrefill`, each decode rank a
+:class:`kvxfer.PushDecode`. The decode registers its KV, aux and state buffers once per prefill
+instance and sends each room's pages; the prefill validates every index against that
+registration, WRITEs each chunk as SGLang calls ``send`` and tells the decode when the room is
+complete or failed. Sender and receiver subclass SGLang's base classes: the common ones are its
+ZMQ control protocol, which kvxfer replaces.
+
+Statuses reach SGLang as its ``KVPoll`` values and never go back (SGLang all-reduces them across
+ranks with ``min``): ``Failed`` wins, otherwise a rank reports the highest status it has seen.
+
+Settings (environment): ``KVXFER_TRANSPORT`` (``ucx``, the default, or ``nixl``) and
+``KVXFER_UCX_LIBRARY`` (see :mod:`kvxfer.ucx`). SGLang's own ``SGLANG_DISAGGREGATION_*`` timeouts
+and heartbeat settings apply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import requests
+from aiohttp import web
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    KVTransferError,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import NetworkAddress
+
+import kvxfer
+import kvxfer.ucx
+from kvxfer.sglang.layout import UnsupportedLayout, describe, flat_indices, state_indices
+
+log = logging.getLogger(__name__)
+
+REGISTRY_ROUTE = "/kvxfer"
+"""Where a kvxfer bootstrap server says which port its push registry listens on."""
+
+POLL_INTERVAL = 0.0002
+"""Least time between two polls of a rank's connector: every sender and receiver polls."""
+
+REGISTRY_WAIT = 60.0
+"""How long a prefill rank waits for its bootstrap server to answer (it may start later)."""
+
+
+def _transport() -> str:
+    transport = os.environ.get("KVXFER_TRANSPORT", "ucx")
+    if transport not in ("ucx", "nixl"):
+        raise ValueError(f"KVXFER_TRANSPORT={transport!r}: expected ucx or nixl")
+    if transport == "ucx":
+        library = kvxfer.ucx.select("auto")
+        log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
+    return transport
+
+
+def _model_config(server_args: ServerArgs) -> Any:
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_server_args(server_args)
+
+
+def _ask_registry(url: str, deadline: float) -> tuple[str, int]:
+    """The push registry's port from a kvxfer bootstrap server at `url`, retried until
+    `deadline` (monotonic) while the server is not up yet."""
+    host = url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+    while True:
+        try:
+            r = requests.get(f"{url}{REGISTRY_ROUTE}", timeout=5)
+            if r.status_code == 200:
+                return host, int(r.json()["port"])
+            reason = f"HTTP {r.status_code}: {r.text[:200]}"
+        except (requests.RequestException, ValueError, KeyError) as e:
+            reason = str(e)
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"kvxfer: no push registry at {url}{REGISTRY_ROUTE} ({reason}); is the prefill "
+                "running with --disaggregation-transfer-backend kvxfer?"
+            )
+        time.sleep(0.5)
+
+
+class KvxferKVManager(CommonKVManager):
+    """One rank's backend state: SGLang's common manager plus a push prefill or decode."""
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.attn_dp_size > 1 or self.system_dp_size > 1:
+            raise UnsupportedLayout("kvxfer moves KV of one data-parallel group (dp_size 1)")
+        if self.attn_cp_size > 1 or self.dcp_size > 1:
+            raise UnsupportedLayout("kvxfer does not move context-parallel KV")
+        is_mla = bool(is_mla_backend)
+        layers = len(args.kv_data_ptrs) if is_mla else len(args.kv_data_ptrs) // 2
+        total_layers, first_layer = layers, 0
+        if self.pp_size > 1:
+            total_layers = _model_config(server_args).num_hidden_layers
+            first_layer = int(getattr(args, "prefill_start_layer", 0) or 0)
+        kv_heads, total_heads = self._heads(args, server_args, is_mla)
+        memory = "host" if server_args.device == "cpu" else f"gpu:{args.gpu_id}"
+        bufs = describe(
+            args,
+            is_mla=is_mla,
+            kv_heads=kv_heads,
+            total_kv_heads=total_heads,
+            total_layers=total_layers,
+            first_layer=first_layer,
+            memory=memory,
+        )
+        transport = _transport()
+        role = "p" if disaggregation_mode == DisaggregationMode.PREFILL else "d"
+        name = f"sgl{role}{self.attn_tp_rank}-{uuid.uuid4().hex[:12]}"
+        self._last_poll = 0.0
+        self.push: kvxfer.PushPrefill | kvxfer.PushDecode
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            registry = _ask_registry(self._bootstrap_url(), time.monotonic() + REGISTRY_WAIT)
+            self.push = kvxfer.PushPrefill(
+                name,
+                transport,
+                bufs.layout,
+                registry=registry,
+                tp_rank=self.attn_tp_rank,
+                tp_size=self.attn_tp_size,
+                pp_rank=self.pp_rank,
+                pp_size=self.pp_size,
+                aux=bufs.aux,
+                state=bufs.state,
+                state_kind=bufs.state_kind,
+                host=self.local_ip,
+                bootstrap_timeout=float(self.bootstrap_timeout),
+            )
+        else:
+            self.registries: dict[str, tuple[str, int]] = {}
+            self.push = kvxfer.PushDecode(
+                name,
+                transport,
+                bufs.layout,
+                tp_rank=self.attn_tp_rank,
+                tp_size=self.attn_tp_size,
+                aux=bufs.aux,
+                state=bufs.state,
+                state_kind=bufs.state_kind,
+                waiting_timeout=float(self.waiting_timeout),
+                heartbeat_interval=float(self.heartbeat_interval),
+                max_heartbeat_failures=int(self.max_failures),
+            )
+        shape = {k: v for k, v in bufs.layout.items() if k != "bases"}
+        shape["aux_item_lens"] = [item for _, item, _ in bufs.aux]
+        shape["state_item_lens"] = [item for _, item, _ in bufs.state]
+        log.info(
+            "kvxfer: %s rank %d/%d over %s, agent %s; kvxfer-layout: %s",
+            disaggregation_mode.value,
+            self.attn_tp_rank,
+            self.attn_tp_size,
+            transport,
+            name,
+            json.dumps(shape, sort_keys=True),
+        )
+
+    def _heads(self, args: KVArgs, server_args: ServerArgs, is_mla: bool) -> tuple[int, int]:
+        """This rank's KV heads and the model's: SGLang fills them in on the prefill; a decode
+        reads the model's count and shards it as SGLang does (replicated below one a rank)."""
+        if is_mla:
+            return 1, 1
+        total = int(getattr(args, "total_kv_head_num", 0) or 0)
+        per_rank = int(getattr(args, "kv_head_num", 0) or 0)
+        if not total:
+            total = int(_model_config(server_args).get_total_num_kv_heads())
+        if not per_rank:
+            per_rank = max(1, total // self.attn_tp_size)
+        return per_rank, total
+
+    def _bootstrap_url(self) -> str:
+        """The bootstrap server's URL as SGLang's rank registration reaches it."""
+        if self.dist_init_addr:
+            host = NetworkAddress.parse(self.dist_init_addr).resolved().host
+        else:
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(
+                self.bootstrap_host, self.bootstrap_host
+            )
+        return NetworkAddress(host, self.bootstrap_port).to_url()
+
+    def tick(self) -> None:
+        """Polls the connector, at most every `POLL_INTERVAL`."""
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_INTERVAL:
+            self._last_poll = now
+            self.push.poll()
+
+    # Decode side: which push registry serves a prefill.
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        if not super().try_ensure_parallel_info(bootstrap_addr):
+            return False
+        if bootstrap_addr in self.registries:
+            return True
+        try:
+            url = f"http://{bootstrap_addr}"
+            self.registries[bootstrap_addr] = _ask_registry(url, time.monotonic())
+        except RuntimeError as e:
+            log.error("%s", e)
+            self.prefill_info_table.pop(bootstrap_addr, None)
+            return False
+        return True
+
+    def registry(self, bootstrap_addr: str) -> tuple[str, int] | None:
+        """The push registry of the prefill at `bootstrap_addr`, once known."""
+        return self.registries.get(bootstrap_addr)
+
+    def forget_prefill(self, bootstrap_addr: str) -> None:
+        """Drops what is cached about a prefill (after a failure: it may have restarted with
+        a new registry), so the next request asks its bootstrap server again."""
+        self.registries.pop(bootstrap_addr, None)
+        self.prefill_info_table.pop(bootstrap_addr, None)
+
+
+class _Room:
+    """A sender's or receiver's room: a status that only rises, failure final."""
+
+    def __init__(self, mgr: KvxferKVManager, bootstrap_room: int | None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.conclude_state: int | None = None
+        self.status: int = KVPoll.Bootstrapping
+        self.reason: str | None = None
+
+    def _fail(self, reason: str) -> int:
+        if self.conclude_state is None:
+            log.warning("kvxfer: room %d failed: %s", self.bootstrap_room, reason)
+            self.reason = reason
+            self.conclude_state = KVPoll.Failed
+            self.status = KVPoll.Failed
+        return KVPoll.Failed
+
+    def _rise(self, status: int) -> int:
+        if status == KVPoll.Failed:
+            return self._fail(self.kv_mgr.push.error(self.bootstrap_room) or "failed")
+        self.status = max(self.status, status)
+        if self.status == KVPoll.Success:
+            self.conclude_state = KVPoll.Success
+            self.kv_mgr.push.remove_room(self.bootstrap_room)
+        return self.status
+
+    def failure_exception(self) -> None:
+        raise KVTransferError(self.bootstrap_room, self.reason or "kvxfer transfer failed")
+
+
+class KvxferKVSender(_Room, BaseKVSender):
+    """A prefill request's room: destinations come from the decode, pages from ``send``."""
+
+    def __init__(
+        self,
+        mgr: KvxferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        _Room.__init__(self, mgr, bootstrap_room)
+        self.inited = False
+        self.created = time.monotonic()
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.kv_mgr.push.add_room(
+            self.bootstrap_room, int(num_kv_indices), None if aux_index is None else int(aux_index)
+        )
+        self.inited = True
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # An empty last chunk still carries aux and state and completes the room.
+        return num_pages > 0 or last_chunk
+
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
+        if self.conclude_state is not None:
+            return
+        try:
+            self.kv_mgr.push.send(
+                self.bootstrap_room, flat_indices(kv_indices), _state_of(state_indices)
+            )
+        except (kvxfer.KvxferError, OverflowError, UnsupportedLayout) as e:
+            self._fail(str(e))
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        self.kv_mgr.tick()
+        push = self.kv_mgr.push
+        status = push.status(self.bootstrap_room)
+        if self.inited:
+            if status is None:
+                return self._fail("the room is gone")
+            return self._rise(status)
+        if status == KVPoll.Failed:
+            return self._rise(status)
+        if push.destinations_ready(self.bootstrap_room):
+            return self._rise(KVPoll.WaitingForInput)
+        if time.monotonic() - self.created > self.kv_mgr.bootstrap_timeout:
+            push.remove_room(self.bootstrap_room)
+            return self._fail(f"no decode asked for the room in {self.kv_mgr.bootstrap_timeout} s")
+        return self.status
+
+    def poll_pp_consensus(self) -> int:
+        return self.poll()
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric()
+
+    def abort(self) -> None:
+        self.kv_mgr.push.abort(self.bootstrap_room)
+        self._fail("aborted by the prefill engine")
+
+    def clear(self) -> None:
+        self.kv_mgr.push.remove_room(self.bootstrap_room)
+
+
+def _state_of(per_type: list[Any] | None) -> list[int] | None:
+    return state_indices(per_type) if per_type else None
+
+
+class KvxferKVReceiver(_Room, BaseKVReceiver):
+    """A decode request's room: pages and aux row from ``send_metadata``, data from the
+    prefill ranks it maps to."""
+
+    def __init__(
+        self,
+        mgr: KvxferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int | None = None,
+    ) -> None:
+        _Room.__init__(self, mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.registry: tuple[str, int] | None = None
+        self.added = False
+        # What SGLang's decode reads off every receiver: no deferred abort, no staging.
+        self.abort_notified = False
+        self.require_staging = False
+        self.bootstrap_infos: list[dict[str, Any]] = []
+
+    def init(self, prefill_dp_rank: int) -> None:
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        self.registry = self.kv_mgr.registry(self.bootstrap_addr)
+        if info is None or self.registry is None:
+            self._fail(f"no kvxfer prefill known at {self.bootstrap_addr}")
+        elif info.dp_size != 1 or info.attn_cp_size != 1:
+            self._fail(
+                f"the prefill at {self.bootstrap_addr} has dp_size {info.dp_size} and "
+                f"attn_cp_size {info.attn_cp_size}; kvxfer moves KV of dp 1, cp 1"
+            )
+        else:
+            self._rise(KVPoll.WaitingForInput)
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        **_: Any,
+    ) -> None:
+        if self.conclude_state is not None or self.registry is None:
+            return
+        if decode_prefix_len:
+            self._fail("kvxfer does not take a decode radix-cache prefix (decode_prefix_len)")
+            return
+        if destination != KVTransferDestination.DEVICE:
+            self._fail("kvxfer writes into the decode's device pool only")
+            return
+        try:
+            self.kv_mgr.push.add_room(
+                self.bootstrap_room,
+                self.registry,
+                flat_indices(kv_indices),
+                None if aux_index is None else int(aux_index),
+                _state_of(state_indices) or [],
+            )
+        except (kvxfer.KvxferError, OverflowError, UnsupportedLayout) as e:
+            self._fail(str(e))
+            return
+        self.added = True
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if not self.added:
+            return self.status
+        self.kv_mgr.tick()
+        status = self.kv_mgr.push.status(self.bootstrap_room)
+        if status is None:
+            return self._fail("the room is gone")
+        result = self._rise(status)
+        if result == KVPoll.Failed:
+            self.kv_mgr.push.remove_room(self.bootstrap_room)
+            self.kv_mgr.forget_prefill(self.bootstrap_addr)
+        return result
+
+    def abort(self) -> None:
+        if self.added:
+            self.kv_mgr.push.abort(self.bootstrap_room)
+        self._fail("aborted by the decode engine")
+
+    def clear(self) -> None:
+        if self.added:
+            self.kv_mgr.push.remove_room(self.bootstrap_room)
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """The prefill ranks were told in ``abort``; there is no acknowledgement to wait
+        for (``abort_notified`` stays False), so the decode releases the pages at once."""
+
+    def is_abort_release_safe(self) -> bool:
+        return True
+
+
+class KvxferKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap server, plus the prefill instance's push registry, whose port
+    it tells at ``/kvxfer``."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.registry = kvxfer.PushRegistry(host or "0.0.0.0", 0)
+        super().__init__(host, port)
+        log.info("kvxfer: push registry on port %d", self.registry.port)
+
+    def _setup_routes(self) -> None:
+        super()._setup_routes()
+        self.app.router.add_get(REGISTRY_ROUTE, self._handle_kvxfer)
+
+    async def _handle_kvxfer(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"port": self.registry.port, "instance": str(self.registry.instance)}
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.registry.shutdown()
