@@ -282,6 +282,10 @@ class KvxferKVSender(_Room, BaseKVSender):
         _Room.__init__(self, mgr, bootstrap_room)
         self.inited = False
         self.created = time.monotonic()
+        # As SGLang's own backends measure a transfer: bytes of the pages sent, time from the
+        # first send to the poll that sees it complete.
+        self.metric = KVTransferMetric(transfer_total_bytes=0)
+        self.first_send: float | None = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.kv_mgr.push.add_room(
@@ -302,12 +306,17 @@ class KvxferKVSender(_Room, BaseKVSender):
     ) -> None:
         if self.conclude_state is not None:
             return
+        pages = flat_indices(kv_indices)
+        if self.first_send is None:
+            self.first_send = time.perf_counter()
         try:
-            self.kv_mgr.push.send(
-                self.bootstrap_room, flat_indices(kv_indices), _state_of(state_indices)
-            )
+            self.kv_mgr.push.send(self.bootstrap_room, pages, _state_of(state_indices))
         except (kvxfer.KvxferError, OverflowError, UnsupportedLayout) as e:
             self._fail(str(e))
+            return
+        self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + len(
+            pages
+        ) * self.kv_mgr.kv_item_lens_sum
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -318,7 +327,10 @@ class KvxferKVSender(_Room, BaseKVSender):
         if self.inited:
             if status is None:
                 return self._fail("the room is gone")
-            return self._rise(status)
+            result = self._rise(status)
+            if result == KVPoll.Success and self.first_send is not None:
+                self.metric.transfer_latency_s = time.perf_counter() - self.first_send
+            return result
         if status == KVPoll.Failed:
             return self._rise(status)
         if push.destinations_ready(self.bootstrap_room):
@@ -332,7 +344,7 @@ class KvxferKVSender(_Room, BaseKVSender):
         return self.poll()
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        return KVTransferMetric()
+        return self.metric
 
     def abort(self) -> None:
         self.kv_mgr.push.abort(self.bootstrap_room)
