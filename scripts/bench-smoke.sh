@@ -30,4 +30,10 @@ if [ -x "$root/.venv-vllm/bin/python" ]; then
 else
     echo "SKIP scripts/bench-vllm.sh --smoke: no .venv-vllm (scripts/vllm-env.sh sets it up)"
 fi
+# The real-SGLang benchmark, on the environment the test command set up.
+if [ -x "$root/.venv-sglang/bin/python" ]; then
+    run env KVXFER_SGLANG_ENV_READY=1 scripts/bench-sglang.sh --smoke
+else
+    echo "SKIP scripts/bench-sglang.sh --smoke: no .venv-sglang (scripts/sglang-env.sh sets it up)"
+fi
 echo "benchmark smoke runs: all finished"

@@ -43,14 +43,21 @@ def free_port() -> int:
         return port
 
 
-def server_env(transport: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """What a server process needs here: SGLang's CPU engine with the kernel stand-in on the
-    path, UCX on loopback, kvxfer's transport, nothing from a model hub."""
-    env = dict(os.environ)
+def server_env(
+    transport: str,
+    extra: dict[str, str] | None = None,
+    paths: tuple[Path, ...] = (),
+    unset: tuple[str, ...] = (),
+) -> dict[str, str]:
+    """What a server process needs here: SGLang's CPU engine with the kernel stand-in (and
+    `paths`) on the path, UCX on loopback, kvxfer's transport, nothing from a model hub;
+    without the variables in `unset`."""
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    path = [str(HERE), *map(str, paths), *filter(None, [env.get("PYTHONPATH")])]
     env.update(
         {
             "SGLANG_USE_CPU_ENGINE": "1",
-            "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])]),
+            "PYTHONPATH": os.pathsep.join(path),
             "SGLANG_HOST_IP": "127.0.0.1",
             "UCX_MODULES": env.get("UCX_MODULES", "^ib*"),
             "TORCHDYNAMO_DISABLE": "1",
@@ -137,6 +144,9 @@ class Server(Process):
         name: str | None = None,
         env: dict[str, str] | None = None,
         model: Path = MODEL,
+        args: tuple[str, ...] = (),
+        paths: tuple[Path, ...] = (),
+        unset: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.role = role
@@ -165,7 +175,9 @@ class Server(Process):
         else:
             # The default backup pool registers host memory with CUDA.
             argv += ["--disaggregation-decode-retraction-backup", "none"]
-        super().__init__(name or f"{role}-{transport}", argv, server_env(transport, env), logdir)
+        argv += args  # later flags win
+        env_ = server_env(transport, env, paths, unset)
+        super().__init__(name or f"{role}-{transport}", argv, env_, logdir)
 
     @property
     def url(self) -> str:
