@@ -1,6 +1,7 @@
 //! The push decode's liveness checks against a fake prefill that counts them: one probe per
 //! heartbeat interval while the prefill has open rooms and none without; rooms fail only
-//! after `max_heartbeat_failures` missed probes; dropping a decode ends its control thread.
+//! after `max_heartbeat_failures` missed probes; dropping a decode ends its control thread; a
+//! room that ends on the decode while the prefill may still write is aborted at the prefill.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -8,18 +9,22 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::clock::{Clock, ManualClock};
 use kvxfer_core::push::RoomStatus;
-use kvxfer_core::push::messages::{self, FromPrefill, FromRegistry, RankInfo, ToRegistry, encode};
+use kvxfer_core::push::messages::{
+    self, FromPrefill, FromRegistry, RankInfo, ToPrefill, ToRegistry, encode,
+};
 use kvxfer_core::sidechannel::MessageServer;
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::pull_env::Model;
 use kvxfer_tests::push_env::{DecodeSide, Setup, decode};
 
 /// Registry and prefill rank 0 in one: it lays out one rank (itself), accepts every
-/// registration and room, counts liveness probes and answers them as told. It never writes.
+/// registration and room, counts liveness probes and answers them as told, and counts the
+/// aborts it is sent. It never writes.
 struct FakePrefill {
     server: MessageServer,
     probes: Arc<AtomicU64>,
     healthy: Arc<AtomicBool>,
+    aborts: Arc<AtomicU64>,
 }
 
 impl FakePrefill {
@@ -28,7 +33,9 @@ impl FakePrefill {
         let probes = Arc::new(AtomicU64::new(0));
         let healthy = Arc::new(AtomicBool::new(true));
         let port = Arc::new(AtomicU16::new(0));
+        let aborts = Arc::new(AtomicU64::new(0));
         let (p, h, me) = (Arc::clone(&probes), Arc::clone(&healthy), Arc::clone(&port));
+        let a = Arc::clone(&aborts);
         let server = MessageServer::bind(
             "127.0.0.1",
             0,
@@ -52,7 +59,14 @@ impl FakePrefill {
                             })
                         }
                     }
-                    _ => encode(&FromPrefill::Ok),
+                    _ => {
+                        if let Ok(ToPrefill::Abort { .. }) =
+                            messages::decode::<ToPrefill>(bytes, "message")
+                        {
+                            a.fetch_add(1, Ordering::SeqCst);
+                        }
+                        encode(&FromPrefill::Ok)
+                    }
                 },
             ),
         )
@@ -62,7 +76,12 @@ impl FakePrefill {
             server,
             probes,
             healthy,
+            aborts,
         }
+    }
+
+    fn aborts(&self) -> u64 {
+        self.aborts.load(Ordering::SeqCst)
     }
 
     fn probes(&self) -> u64 {
@@ -212,4 +231,47 @@ fn dropping_a_decode_ends_its_control_thread() {
         kvxfer_tests::threads::gone_within(thread, wait),
         "outlived its decode"
     );
+}
+
+/// A room aborted or forgotten by the engine before its bootstrap came back: the prefill
+/// already has its destinations by then, so it is told to drop them once the bootstrap ends.
+#[test]
+fn a_room_ended_during_its_bootstrap_is_aborted_at_the_prefill_when_the_bootstrap_ends() {
+    let fake = FakePrefill::start(Duration::from_millis(300));
+    let manual = ManualClock::default();
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let mut dec = decode(&s, "live5", c);
+    let addr = ("127.0.0.1", fake.server.port());
+    dec.ranks[0].add_room(1, addr, vec![5], None, vec![]);
+    dec.ranks[0].add_room(2, addr, vec![6], None, vec![]);
+    dec.ranks[0].abort(1);
+    dec.ranks[0].remove_room(2);
+    poll(&mut dec, |_| fake.aborts() == 2);
+    idle(&mut dec, 200);
+    assert_eq!(fake.aborts(), 2, "each told once");
+    dec.ranks[0].add_room(3, addr, vec![7], None, vec![]);
+    poll(&mut dec, |d| {
+        d.ranks[0].status(3) == Some(RoomStatus::WaitingForInput)
+    });
+    idle(&mut dec, 100);
+    assert_eq!(fake.aborts(), 2, "a live room is not aborted");
+}
+
+/// A room the decode gives up on after its waiting timeout is aborted at its prefill, which
+/// may otherwise still write into pages the engine hands to another request.
+#[test]
+fn a_room_past_its_waiting_timeout_is_aborted_at_the_prefill() {
+    let fake = FakePrefill::start(Duration::ZERO);
+    let manual = ManualClock::default();
+    let mut dec = open_room("live6", &fake, &manual);
+    idle(&mut dec, 100);
+    assert_eq!(fake.aborts(), 0);
+    manual.advance(Duration::from_secs(301));
+    poll(&mut dec, |d| {
+        d.ranks[0].status(1) == Some(RoomStatus::Failed)
+    });
+    poll(&mut dec, |_| fake.aborts() == 1);
+    idle(&mut dec, 200);
+    assert_eq!(fake.aborts(), 1, "told once");
 }

@@ -189,7 +189,8 @@ impl DecodeRoom {
         self.ranks.is_empty() || self.ranks.iter().any(|r| r.agent == agent)
     }
 
-    fn aborted_by_prefill(&self) -> bool {
+    /// Whether one of the room's prefill writers told it that the room failed there.
+    pub fn aborted_by_prefill(&self) -> bool {
         self.ranks.iter().any(|r| self.aborts.contains(&r.agent))
     }
 

@@ -227,8 +227,20 @@ impl<T: Transport> PushDecode<T> {
             self.on_note(&n.from, &n.message);
         }
         let now = self.clock.now();
+        let mut timed_out = Vec::new();
         for (id, r) in &mut self.rooms {
+            let live = !r.status().is_final();
             r.advance(*id, now, self.config.waiting_timeout);
+            // Failed here by the waiting timeout (a prefill's own abort is told already): the
+            // prefill ranks may still write, into pages the engine now frees.
+            if live && r.status() == RoomStatus::Failed && !r.aborted_by_prefill() {
+                timed_out.push((*id, r.ranks().to_vec()));
+            }
+        }
+        for (room, ranks) in timed_out {
+            if !ranks.is_empty() {
+                self.submit(Job::Abort { room, ranks });
+            }
         }
         self.heartbeat(now);
     }
@@ -255,8 +267,14 @@ impl<T: Transport> PushDecode<T> {
                     p.registered.clear();
                 }
                 p.registered.extend(registered);
-                if let Some(r) = self.rooms.get_mut(&room) {
-                    r.bootstrapped(ranks, self.config.tp, self.sharding);
+                match self.rooms.get_mut(&room) {
+                    Some(r) if !r.status().is_final() => {
+                        r.bootstrapped(ranks, self.config.tp, self.sharding);
+                    }
+                    // Aborted, timed out or forgotten while its destinations were on their way:
+                    // the prefill ranks have them now and are told to drop them, or they would
+                    // write into pages the engine may have handed to another request.
+                    _ => self.submit(Job::Abort { room, ranks }),
                 }
             }
             Done::BootstrapFailed { room, reason } => {
