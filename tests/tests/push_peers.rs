@@ -784,3 +784,42 @@ fn state_indices_set_before_the_last_chunk_are_the_ones_written() {
         "unknown room"
     );
 }
+
+/// A room that only decodes knew — the engine never added it — fails at the bootstrap timeout
+/// (its decode told) and is forgotten once twice that has passed; a room the engine added
+/// stays until the engine removes it.
+#[test]
+fn rooms_the_engine_never_added_are_forgotten_after_twice_the_bootstrap_timeout() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.prefill_config = |cfg| cfg.bootstrap_timeout = Duration::from_secs(10);
+    let manual = kvxfer_core::clock::ManualClock::default();
+    let mut pre = prefill(&s, "pn22", Arc::new(manual.clone()), None, None);
+    let mut dec = decode(&s, "pn22", clock());
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].requested_rooms() == [1]
+    });
+    pre.ranks[0].add_room(2, 1, None, vec![]);
+    pre.ranks[0].abort(2);
+    manual.advance(Duration::from_secs(11));
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1) == Some(RoomStatus::Failed)
+    });
+    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::Failed));
+    manual.advance(Duration::from_secs(9));
+    pre.ranks[0].poll();
+    assert_eq!(
+        pre.ranks[0].status(1),
+        Some(RoomStatus::Failed),
+        "at twice the timeout"
+    );
+    manual.advance(Duration::from_secs(1));
+    pre.ranks[0].poll();
+    assert_eq!(pre.ranks[0].status(1), None, "forgotten");
+    assert_eq!(
+        pre.ranks[0].status(2),
+        Some(RoomStatus::Failed),
+        "the engine's own room"
+    );
+}

@@ -258,6 +258,15 @@ impl PrefillRoom {
         false
     }
 
+    /// Whether the room can be forgotten unasked: decodes asked for it but the engine never
+    /// added it (it failed at its bootstrap timeout, or a decode's request was refused), and
+    /// it ended over twice `timeout` ago, so an engine that was going to add it has.
+    pub fn abandoned(&self, now: Duration, timeout: Duration) -> bool {
+        self.total.is_none()
+            && self.status.is_final()
+            && now.saturating_sub(self.created) > timeout.saturating_mul(2)
+    }
+
     /// The WRITEs in flight, for polling; hand back those still in flight with
     /// [`PrefillRoom::keep_xfers`].
     pub fn take_xfers(&mut self) -> Vec<XferId> {

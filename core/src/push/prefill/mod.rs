@@ -403,6 +403,8 @@ impl<T: Transport> PushPrefill<T> {
         for (room, agents) in failed {
             self.tell_failure(room, &agents);
         }
+        // Rooms only decodes knew, ended long ago (and their decodes told, above).
+        self.rooms.retain(|_, r| !r.abandoned(now, timeout));
     }
 
     fn on_message(&mut self, msg: ToPrefill) {
