@@ -114,12 +114,12 @@ class KvxferKVManager(CommonKVManager):
             raise UnsupportedLayout("kvxfer moves KV of one data-parallel group (dp_size 1)")
         if self.attn_cp_size > 1 or self.dcp_size > 1:
             raise UnsupportedLayout("kvxfer does not move context-parallel KV")
+        if self.pp_size > 1:
+            # The push connector writes pipeline stages, but SGLang polls only stage 0's
+            # senders and gives a decode no stage layout: not wired up yet.
+            raise UnsupportedLayout("kvxfer's SGLang backend moves KV of pp_size 1 only")
         is_mla = bool(is_mla_backend)
         layers = len(args.kv_data_ptrs) if is_mla else len(args.kv_data_ptrs) // 2
-        total_layers, first_layer = layers, 0
-        if self.pp_size > 1:
-            total_layers = _model_config(server_args).num_hidden_layers
-            first_layer = int(getattr(args, "prefill_start_layer", 0) or 0)
         kv_heads, total_heads = self._heads(args, server_args, is_mla)
         memory = "host" if server_args.device == "cpu" else f"gpu:{args.gpu_id}"
         bufs = describe(
@@ -127,8 +127,7 @@ class KvxferKVManager(CommonKVManager):
             is_mla=is_mla,
             kv_heads=kv_heads,
             total_kv_heads=total_heads,
-            total_layers=total_layers,
-            first_layer=first_layer,
+            total_layers=layers,
             memory=memory,
         )
         transport = _transport()
@@ -232,10 +231,15 @@ class KvxferKVManager(CommonKVManager):
         return self.registries.get(bootstrap_addr)
 
     def forget_prefill(self, bootstrap_addr: str) -> None:
-        """Drops what is cached about a prefill (after a failure: it may have restarted with
-        a new registry), so the next request asks its bootstrap server again."""
+        """Drops what is cached about a prefill that may be gone (it may come back with a new
+        registry), so the next request asks its bootstrap server again."""
         self.registries.pop(bootstrap_addr, None)
         self.prefill_info_table.pop(bootstrap_addr, None)
+
+
+GONE = ("heartbeats", "registry", "connect", "refused", "timed out")
+"""Words of the failures after which a decode asks a prefill's bootstrap server again: the
+prefill missed heartbeats, or its registry or a rank could not be reached."""
 
 
 class _Room:
@@ -265,8 +269,20 @@ class _Room:
             self.kv_mgr.push.remove_room(self.bootstrap_room)
         return self.status
 
+    def _release(self) -> None:
+        """Ends the room in the connector: its transfers released, its peers told (where it
+        had not ended), then forgotten. SGLang calls no ``clear`` after a failure."""
+        self.kv_mgr.push.abort(self.bootstrap_room)
+        self.kv_mgr.push.remove_room(self.bootstrap_room)
+
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, self.reason or "kvxfer transfer failed")
+        self._release()
+        # No reason of our own: another rank's failure made SGLang fail this one.
+        raise KVTransferError(
+            self.bootstrap_room,
+            self.reason or "failed on another rank",
+            is_from_another_rank=self.reason is None,
+        )
 
 
 class KvxferKVSender(_Room, BaseKVSender):
@@ -306,12 +322,12 @@ class KvxferKVSender(_Room, BaseKVSender):
     ) -> None:
         if self.conclude_state is not None:
             return
-        pages = flat_indices(kv_indices)
         if self.first_send is None:
             self.first_send = time.perf_counter()
         try:
+            pages = flat_indices(kv_indices)
             self.kv_mgr.push.send(self.bootstrap_room, pages, _state_of(state_indices))
-        except (kvxfer.KvxferError, OverflowError, UnsupportedLayout) as e:
+        except (kvxfer.KvxferError, OverflowError, TypeError, ValueError) as e:
             self._fail(str(e))
             return
         self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + len(
@@ -332,7 +348,9 @@ class KvxferKVSender(_Room, BaseKVSender):
                 self.metric.transfer_latency_s = time.perf_counter() - self.first_send
             return result
         if status == KVPoll.Failed:
-            return self._rise(status)
+            result = self._rise(status)
+            push.remove_room(self.bootstrap_room)
+            return result
         if push.destinations_ready(self.bootstrap_room):
             return self._rise(KVPoll.WaitingForInput)
         if time.monotonic() - self.created > self.kv_mgr.bootstrap_timeout:
@@ -347,8 +365,8 @@ class KvxferKVSender(_Room, BaseKVSender):
         return self.metric
 
     def abort(self) -> None:
-        self.kv_mgr.push.abort(self.bootstrap_room)
         self._fail("aborted by the prefill engine")
+        self._release()
 
     def clear(self) -> None:
         self.kv_mgr.push.remove_room(self.bootstrap_room)
@@ -399,7 +417,10 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
         **_: Any,
     ) -> None:
-        if self.conclude_state is not None or self.registry is None:
+        if self.conclude_state is not None:
+            return
+        if self.registry is None:
+            self._fail("send_metadata before init")
             return
         if decode_prefix_len:
             self._fail("kvxfer does not take a decode radix-cache prefix (decode_prefix_len)")
@@ -415,7 +436,7 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
                 None if aux_index is None else int(aux_index),
                 _state_of(state_indices) or [],
             )
-        except (kvxfer.KvxferError, OverflowError, UnsupportedLayout) as e:
+        except (kvxfer.KvxferError, OverflowError, TypeError, ValueError) as e:
             self._fail(str(e))
             return
         self.added = True
@@ -432,16 +453,25 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
         result = self._rise(status)
         if result == KVPoll.Failed:
             self.kv_mgr.push.remove_room(self.bootstrap_room)
-            self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            if any(w in (self.reason or "") for w in GONE):
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
         return result
 
-    def abort(self) -> None:
+    def _release(self) -> None:
         if self.added:
+            # Its prefill ranks are told to stop writing (the connector also tells them
+            # of a room it forgets before its bootstrap came back).
             self.kv_mgr.push.abort(self.bootstrap_room)
+            self.kv_mgr.push.remove_room(self.bootstrap_room)
+
+    def abort(self) -> None:
         self._fail("aborted by the decode engine")
+        self._release()
 
     def clear(self) -> None:
-        if self.added:
+        if self.added and self.conclude_state != KVPoll.Success:
+            self._release()
+        elif self.added:
             self.kv_mgr.push.remove_room(self.bootstrap_room)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
