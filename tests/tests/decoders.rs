@@ -4,7 +4,8 @@
 //!
 //! Decoders: pull handshake metadata (msgpack map), `KvTransferParams` (JSON), pull
 //! notifications, push control messages (to prefill, to/from registry, from prefill), push
-//! notifications, UCX agent metadata and UCX notifications.
+//! notifications, UCX agent metadata and UCX notifications, vLLM 0.32's handshake (request,
+//! payload, agent metadata, clock frame).
 
 use kvxfer_core::pull::notify;
 use kvxfer_core::push::messages::{
@@ -12,6 +13,7 @@ use kvxfer_core::push::messages::{
 };
 use kvxfer_core::wire::handshake::HandshakeMeta;
 use kvxfer_core::wire::params::KvTransferParams;
+use kvxfer_core::wire::vllm;
 use kvxfer_transport_ucx::metadata::{AgentMeta, RegionMeta};
 use kvxfer_transport_ucx::notification::{decode_notification, encode_notification};
 use proptest::prelude::*;
@@ -79,11 +81,42 @@ fn decode_all(bytes: &[u8]) {
     if let Ok(m) = AgentMeta::decode(bytes) {
         assert_eq!(AgentMeta::decode(&m.encode()).unwrap(), m);
     }
+    if let Ok(p) = vllm::HandshakePayload::decode(bytes, 1 << 20) {
+        assert_eq!(
+            vllm::HandshakePayload::decode(&p.encode(), 1 << 20).unwrap(),
+            p
+        );
+        vllm_agent(&p.agent_metadata_bytes);
+    }
+    vllm_agent(bytes);
+    if let Some(r) = vllm::MetaRequest::parse(bytes) {
+        assert_eq!(vllm::MetaRequest::parse(&r.encode()), Some(r));
+    }
+    if let Ok(t) = vllm::decode_clock(bytes) {
+        assert!(t.is_finite());
+    }
     if let Some(n) = decode_notification(bytes, 64 << 10) {
         let again = decode_notification(&encode_notification(&n.from, &n.message), 64 << 10);
         assert_eq!(again, Some(n));
     }
 }
+
+/// vLLM 0.32 agent metadata: what decodes re-encodes to itself and has a bounded extent.
+fn vllm_agent(bytes: &[u8]) {
+    if let Ok(m) = vllm::AgentMetadata::decode(bytes, 1 << 20) {
+        assert_eq!(
+            vllm::AgentMetadata::decode(&m.encode(), 1 << 20).unwrap(),
+            m
+        );
+        for r in 0..m.kv_caches_base_addr.len() {
+            let len = m.region_len(r).expect("a validated region has an extent");
+            assert!(m.kv_caches_base_addr[r].checked_add(len).is_some());
+        }
+    }
+}
+
+/// The first reply frame of a real vLLM 0.32.0 prefill.
+const VLLM_PAYLOAD: &[u8] = include_bytes!("../../core/testdata/vllm-0.32.0-pull-fp32.payload.bin");
 
 fn mutate(mut bytes: Vec<u8>, edits: &[(usize, u8, u8)]) -> Vec<u8> {
     for &(at, op, v) in edits {
@@ -112,7 +145,7 @@ proptest! {
 
     #[test]
     fn mutated_valid_messages(
-        which in 0usize..6,
+        which in 0usize..9,
         edits in proptest::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 1..8),
     ) {
         let valid = match which {
@@ -128,6 +161,9 @@ proptest! {
             2 => messages::encode(&room()),
             3 => ucx_meta().encode(),
             4 => encode_notification("prefill-1", b"42_kv_0_1_0"),
+            5 => VLLM_PAYLOAD.to_vec(),
+            6 => vllm::HandshakePayload::decode(VLLM_PAYLOAD, 1 << 20).unwrap().agent_metadata_bytes,
+            7 => vllm::MetaRequest { pp_rank: 0, tp_rank: 3 }.encode(),
             _ => notify::read_done("cmpl-7", 2),
         };
         decode_all(&mutate(valid, &edits));

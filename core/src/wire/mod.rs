@@ -6,6 +6,7 @@
 
 pub mod handshake;
 pub mod params;
+pub mod vllm;
 
 use thiserror::Error;
 
