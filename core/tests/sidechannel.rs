@@ -206,3 +206,129 @@ fn garbage_requests_do_not_stop_the_listener() {
     req.send(GET_META_MSG, 0).unwrap();
     assert_eq!(req.recv_bytes(0).unwrap(), m.encode());
 }
+
+/// vLLM 0.32's client against our listener: two frames (payload, our clock), only for the
+/// ranks given a payload; serving one opens the listener's readers to unnamed agents.
+#[test]
+fn a_vllm_request_gets_the_vllm_payload_and_our_clock() {
+    use kvxfer_core::sidechannel::{fetch_vllm, monotonic_seconds};
+    use kvxfer_core::wire::vllm::{HandshakePayload, MetaRequest};
+
+    let l = Listener::bind("127.0.0.1", 0, 0, meta("prefill", 0).encode()).expect("bind");
+    let ask = |tp_rank| {
+        fetch_vllm(
+            "127.0.0.1",
+            l.port(),
+            MetaRequest {
+                pp_rank: 0,
+                tp_rank,
+            },
+            T,
+            MAX_HANDSHAKE_BYTES,
+        )
+    };
+    // No payload yet: refused, and notes from unnamed agents stay refused.
+    assert!(matches!(ask(0), Err(FetchError::BadReply { .. })));
+    assert!(!l.readers().unnamed_allowed());
+    let payload = HandshakePayload {
+        compatibility_hash: "ab".repeat(32),
+        agent_metadata_bytes: vec![7; 100],
+    };
+    l.set_vllm_reply(0, 0, payload.encode());
+    let before = monotonic_seconds();
+    let got = ask(0).expect("served");
+    let after = monotonic_seconds();
+    assert_eq!(got.payload, payload);
+    assert!(
+        (before..=after).contains(&got.remote_clock),
+        "{before} <= {} <= {after}: the clock is this host's monotonic clock",
+        got.remote_clock
+    );
+    assert!((before..=after).contains(&got.local_midpoint));
+    assert!(l.readers().unnamed_allowed());
+    // Another rank is not served; kvxfer's own requests still are.
+    assert!(matches!(ask(1), Err(FetchError::BadReply { .. })));
+    assert_eq!(
+        fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap(),
+        meta("prefill", 0)
+    );
+}
+
+/// A vLLM listener answering one frame, or a bad clock, is a typed error; one answering
+/// nothing is a timeout.
+#[test]
+fn bad_vllm_replies_are_typed_errors() {
+    use kvxfer_core::sidechannel::fetch_vllm;
+    use kvxfer_core::wire::vllm::{HandshakePayload, MetaRequest, encode_clock};
+
+    let payload = HandshakePayload {
+        compatibility_hash: "0".repeat(64),
+        agent_metadata_bytes: vec![1],
+    }
+    .encode();
+    let replies: Vec<Vec<Vec<u8>>> = vec![
+        vec![payload.clone()],
+        vec![payload.clone(), b"not a float".to_vec()],
+        vec![payload.clone(), encode_clock(f64::INFINITY)],
+        vec![b"junk".to_vec(), encode_clock(1.0)],
+        vec![payload, encode_clock(1.0), encode_clock(2.0)],
+    ];
+    for frames in replies {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.bind("tcp://127.0.0.1:*").unwrap();
+        let port: u16 = router
+            .get_last_endpoint()
+            .unwrap()
+            .unwrap()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let answer = std::thread::spawn(move || {
+            let req = router.recv_multipart(0).unwrap();
+            let mut out = vec![req[0].clone(), Vec::new()];
+            out.extend(frames);
+            router.send_multipart(out, 0).unwrap();
+            router
+        });
+        let got = fetch_vllm(
+            "127.0.0.1",
+            port,
+            MetaRequest {
+                pp_rank: 0,
+                tp_rank: 0,
+            },
+            T,
+            MAX_HANDSHAKE_BYTES,
+        );
+        assert!(matches!(got, Err(FetchError::BadReply { .. })), "{got:?}");
+        drop(answer.join());
+    }
+    // Nobody answers: bounded by the timeout.
+    let silent = zmq::Context::new().socket(zmq::ROUTER).unwrap();
+    silent.bind("tcp://127.0.0.1:*").unwrap();
+    let port: u16 = silent
+        .get_last_endpoint()
+        .unwrap()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let start = Instant::now();
+    let got = fetch_vllm(
+        "127.0.0.1",
+        port,
+        MetaRequest {
+            pp_rank: 0,
+            tp_rank: 0,
+        },
+        Duration::from_millis(300),
+        MAX_HANDSHAKE_BYTES,
+    );
+    assert!(matches!(got, Err(FetchError::Timeout { .. })), "{got:?}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+}

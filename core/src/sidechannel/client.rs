@@ -9,6 +9,7 @@ use thiserror::Error;
 use super::{context, endpoint};
 use crate::wire::WireError;
 use crate::wire::handshake::{GET_META_MSG, HandshakeMeta};
+use crate::wire::vllm;
 
 /// Why a fetch failed.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -81,6 +82,113 @@ pub fn fetch_metadata_for(
     fetch(host, port, &request, timeout, max_reply)
 }
 
+/// What a vLLM 0.32 listener answered: its payload and its clock when it answered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmReply {
+    /// The handshake payload.
+    pub payload: vllm::HandshakePayload,
+    /// The peer's monotonic clock (seconds) when it replied.
+    pub remote_clock: f64,
+    /// Our monotonic clock halfway through the round trip, to estimate the offset.
+    pub local_midpoint: f64,
+}
+
+/// Asks a stock vLLM 0.32 listener at `host:port` for (`pp_rank`, `tp_rank`)'s payload
+/// (two reply frames). Every wait is bounded by `timeout`; vLLM's protocol has no
+/// authentication, so with a side-channel key set this refuses to ask.
+pub fn fetch_vllm(
+    host: &str,
+    port: u16,
+    request: vllm::MetaRequest,
+    timeout: Duration,
+    max_reply: usize,
+) -> Result<VllmReply, FetchError> {
+    let ep = endpoint(host, port);
+    if super::auth::key()
+        .map_err(|reason| FetchError::Auth {
+            endpoint: ep.clone(),
+            reason,
+        })?
+        .is_some()
+    {
+        return Err(FetchError::Auth {
+            endpoint: ep,
+            reason: "a side-channel key is set, and stock vLLM peers cannot authenticate".into(),
+        });
+    }
+    let socket = req_socket(&ep, timeout, max_reply)?;
+    let started = super::listener::monotonic_seconds();
+    let frames = exchange(&socket, &ep, &request.encode(), timeout, |s| {
+        s.recv_multipart(0)
+    })?;
+    let ended = super::listener::monotonic_seconds();
+    let bad = |error: WireError| FetchError::BadReply {
+        endpoint: ep.clone(),
+        error,
+    };
+    let [payload, clock] = frames.as_slice() else {
+        return Err(bad(WireError::Malformed {
+            what: "vLLM handshake reply",
+            reason: format!("{} frames, expected 2", frames.len()),
+        }));
+    };
+    Ok(VllmReply {
+        payload: vllm::HandshakePayload::decode(payload, max_reply).map_err(bad)?,
+        remote_clock: vllm::decode_clock(clock).map_err(bad)?,
+        local_midpoint: started + (ended - started) / 2.0,
+    })
+}
+
+/// A REQ socket connected to `ep` with every wait bounded by `timeout`.
+fn req_socket(ep: &str, timeout: Duration, max_reply: usize) -> Result<zmq::Socket, FetchError> {
+    let sock_err = |e: zmq::Error| FetchError::Socket {
+        endpoint: ep.to_string(),
+        reason: e.to_string(),
+    };
+    let ms = i32::try_from(timeout.as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1);
+    let socket = context().socket(zmq::REQ).map_err(sock_err)?;
+    socket.set_linger(0).map_err(sock_err)?;
+    socket.set_rcvtimeo(ms).map_err(sock_err)?;
+    socket.set_sndtimeo(ms).map_err(sock_err)?;
+    socket.set_connect_timeout(ms).map_err(sock_err)?;
+    socket
+        .set_maxmsgsize(i64::try_from(max_reply).unwrap_or(i64::MAX))
+        .map_err(sock_err)?;
+    socket.connect(ep).map_err(sock_err)?;
+    Ok(socket)
+}
+
+/// Sends `request` and receives the reply with `recv`, mapping a timeout to
+/// [`FetchError::Timeout`].
+fn exchange<R>(
+    socket: &zmq::Socket,
+    ep: &str,
+    request: &[u8],
+    timeout: Duration,
+    recv: impl FnOnce(&zmq::Socket) -> zmq::Result<R>,
+) -> Result<R, FetchError> {
+    let timed_out = || FetchError::Timeout {
+        endpoint: ep.to_string(),
+        timeout,
+    };
+    let sock_err = |e: zmq::Error| FetchError::Socket {
+        endpoint: ep.to_string(),
+        reason: e.to_string(),
+    };
+    match socket.send(request, 0) {
+        Ok(()) => {}
+        Err(zmq::Error::EAGAIN) => return Err(timed_out()),
+        Err(e) => return Err(sock_err(e)),
+    }
+    match recv(socket) {
+        Ok(r) => Ok(r),
+        Err(zmq::Error::EAGAIN) => Err(timed_out()),
+        Err(e) => Err(sock_err(e)),
+    }
+}
+
 fn fetch(
     host: &str,
     port: u16,
@@ -119,36 +227,8 @@ pub fn request_bytes(
         None => (None, [0; 16]),
     };
     let request = sealed.as_deref().unwrap_or(request);
-    let sock_err = |e: zmq::Error| FetchError::Socket {
-        endpoint: ep.clone(),
-        reason: e.to_string(),
-    };
-    let ms = i32::try_from(timeout.as_millis())
-        .unwrap_or(i32::MAX)
-        .max(1);
-    let socket = context().socket(zmq::REQ).map_err(sock_err)?;
-    socket.set_linger(0).map_err(sock_err)?;
-    socket.set_rcvtimeo(ms).map_err(sock_err)?;
-    socket.set_sndtimeo(ms).map_err(sock_err)?;
-    socket.set_connect_timeout(ms).map_err(sock_err)?;
-    socket
-        .set_maxmsgsize(i64::try_from(max_reply).unwrap_or(i64::MAX))
-        .map_err(sock_err)?;
-    socket.connect(&ep).map_err(sock_err)?;
-    let timed_out = || FetchError::Timeout {
-        endpoint: ep.clone(),
-        timeout,
-    };
-    match socket.send(request, 0) {
-        Ok(()) => {}
-        Err(zmq::Error::EAGAIN) => return Err(timed_out()),
-        Err(e) => return Err(sock_err(e)),
-    }
-    let reply = match socket.recv_bytes(0) {
-        Ok(r) => r,
-        Err(zmq::Error::EAGAIN) => return Err(timed_out()),
-        Err(e) => return Err(sock_err(e)),
-    };
+    let socket = req_socket(&ep, timeout, max_reply)?;
+    let reply = exchange(&socket, &ep, request, timeout, |s| s.recv_bytes(0))?;
     match &key {
         None if reply == super::auth::REFUSED_REPLY => Err(auth_err(
             "the peer requires side-channel authentication and no key is configured".into(),

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use super::readers::{KnownReaders, MAX_READER_NAME};
 use super::{bind_router, endpoint};
 use crate::wire::handshake::GET_META_MSG;
+use crate::wire::vllm;
 
 /// Requests larger than this are dropped unread (a real request is a few bytes).
 pub const MAX_REQUEST_BYTES: usize = 4096;
@@ -31,9 +32,13 @@ pub struct Listener {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     replies: Arc<RwLock<HashMap<u32, Vec<u8>>>>,
+    vllm_replies: VllmReplies,
     stats: Arc<ListenerStats>,
     readers: Arc<KnownReaders>,
 }
+
+/// vLLM 0.32 payloads by (pp rank, tp rank).
+type VllmReplies = Arc<RwLock<HashMap<(u32, u32), Vec<u8>>>>;
 
 impl Listener {
     /// Binds `host:port` (port 0 picks a free one) and serves `reply` for `rank`; requests
@@ -45,6 +50,7 @@ impl Listener {
         let (socket, port) = bind_router(host, port, MAX_REQUEST_BYTES, POLL_MS as i32)?;
         let bound = endpoint(host, port);
         let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
+        let vllm_replies = VllmReplies::default();
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ListenerStats::default());
         let readers = Arc::new(KnownReaders::default());
@@ -57,6 +63,7 @@ impl Listener {
             );
             let shared = Shared {
                 replies,
+                vllm_replies: Arc::clone(&vllm_replies),
                 stats,
                 readers: known,
             };
@@ -71,6 +78,7 @@ impl Listener {
             stop,
             thread: Some(thread),
             replies,
+            vllm_replies,
             stats,
             readers,
         })
@@ -92,6 +100,16 @@ impl Listener {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(rank, reply);
+    }
+
+    /// Serves `payload` (a [`vllm::HandshakePayload`], encoded) to vLLM 0.32 requests for
+    /// (`pp_rank`, `tp_rank`). Without one, such requests are refused. A stock vLLM decode
+    /// cannot name its agent, so once one is served, [`KnownReaders::unnamed_allowed`].
+    pub fn set_vllm_reply(&self, pp_rank: u32, tp_rank: u32, payload: Vec<u8>) {
+        self.vllm_replies
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((pp_rank, tp_rank), payload);
     }
 
     /// Counters.
@@ -147,6 +165,7 @@ pub fn parse_request(payload: &[u8], own: u32) -> Option<MetaRequest> {
 /// What the listener thread shares with its owner.
 struct Shared {
     replies: Arc<RwLock<HashMap<u32, Vec<u8>>>>,
+    vllm_replies: VllmReplies,
     stats: Arc<ListenerStats>,
     readers: Arc<KnownReaders>,
 }
@@ -201,6 +220,47 @@ fn serve(
                 }
             },
         };
+        if let Some(req) = vllm::MetaRequest::parse(payload) {
+            // vLLM 0.32's client: two frames, the payload and our clock.
+            let reply = shared
+                .vllm_replies
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&(req.pp_rank, req.tp_rank))
+                .cloned();
+            let clock = vllm::encode_clock(monotonic_seconds());
+            let mut out: Vec<&[u8]> = vec![identity.as_slice()];
+            if with_delimiter {
+                out.push(b"");
+            }
+            let refusal;
+            match &reply {
+                Some(bytes) => {
+                    stats.served.fetch_add(1, Ordering::Relaxed);
+                    shared.readers.allow_unnamed();
+                    out.push(bytes);
+                }
+                None => {
+                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        pp_rank = req.pp_rank,
+                        tp_rank = req.tp_rank,
+                        "side channel refused a vLLM 0.32 request: this listener serves no vLLM payload for that rank \
+                         (kvxfer serves stock vLLM decodes over NIXL, from the rank's own listener)"
+                    );
+                    refusal = rmp_serde::to_vec_named(&ErrorReply {
+                        error: "kvxfer: no vLLM 0.32 handshake payload for this rank",
+                    })
+                    .unwrap_or_default();
+                    out.push(&refusal);
+                }
+            }
+            out.push(&clock);
+            if let Err(e) = socket.send_multipart(out, 0) {
+                tracing::warn!(error = %e, "side channel reply failed");
+            }
+            continue;
+        }
         let request = parse_request(payload, own);
         let reply = request.as_ref().and_then(|r| {
             shared
@@ -243,6 +303,18 @@ fn serve(
             tracing::warn!(error = %e, "side channel reply failed");
         }
     }
+}
+
+/// `CLOCK_MONOTONIC` in seconds: what Python's `time.perf_counter()` reads on Linux, so a
+/// vLLM peer's clock-offset estimate means what it expects.
+pub fn monotonic_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 #[derive(serde::Serialize)]

@@ -1,7 +1,9 @@
 //! The side channel: one ZMQ ROUTER listener per TP rank serving handshake metadata, and a
-//! REQ client that fetches it, with a timeout on every wait. Framed as vLLM 0.9.1's
-//! NixlConnector frames it (request `get_meta_msg`, reply one msgpack map); what the map
-//! carries pairs kvxfer with kvxfer only (see `wire::handshake`).
+//! REQ client that fetches it, with a timeout on every wait. kvxfer peers are framed as vLLM
+//! 0.9.1's NixlConnector frames it (request `get_meta_msg`, reply one msgpack map; see
+//! `wire::handshake`); stock vLLM 0.32.0 peers as vLLM 0.32.0 does (request
+//! `[get_meta_msg, pp, tp]`, reply payload and clock; see `wire::vllm`), on the same
+//! listener.
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -11,8 +13,12 @@ mod listener;
 mod readers;
 mod server;
 
-pub use client::{FetchError, fetch_metadata, fetch_metadata_for, request_bytes};
-pub use listener::{Listener, ListenerStats, MAX_REQUEST_BYTES, MetaRequest, parse_request};
+pub use client::{
+    FetchError, VllmReply, fetch_metadata, fetch_metadata_for, fetch_vllm, request_bytes,
+};
+pub use listener::{
+    Listener, ListenerStats, MAX_REQUEST_BYTES, MetaRequest, monotonic_seconds, parse_request,
+};
 pub use readers::{KnownReaders, MAX_READER_NAME, MAX_READERS};
 pub use server::{Handler, MessageServer};
 

@@ -5,6 +5,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Most names kept; past it the oldest goes (a decode that restarted under a new name
 /// leaves its old one behind).
@@ -17,9 +18,22 @@ pub const MAX_READER_NAME: usize = 256;
 #[derive(Debug, Default)]
 pub struct KnownReaders {
     inner: Mutex<(VecDeque<String>, HashSet<String>)>,
+    unnamed: AtomicBool,
 }
 
 impl KnownReaders {
+    /// A reader that cannot name itself was served (a stock vLLM decode: its request has no
+    /// agent name): from now on notes from agents not named are accepted too, as vLLM's
+    /// own prefill accepts them. Each sender still counts once per request.
+    pub fn allow_unnamed(&self) {
+        self.unnamed.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`KnownReaders::allow_unnamed`] was called.
+    pub fn unnamed_allowed(&self) -> bool {
+        self.unnamed.load(Ordering::Relaxed)
+    }
+
     /// Whether `name` fetched the metadata naming itself.
     pub fn contains(&self, name: &str) -> bool {
         self.inner
