@@ -257,6 +257,18 @@ impl Transport for AnyTransport {
     fn peer_failed(&self, peer: PeerId) -> bool {
         dispatch!(self, t => t.peer_failed(peer))
     }
+
+    fn native_metadata(&self) -> TransportResult<Vec<u8>> {
+        dispatch!(self, t => t.native_metadata())
+    }
+
+    fn load_native_peer(
+        &mut self,
+        metadata: &[u8],
+        regions: &[(MemoryKind, AddrRange)],
+    ) -> TransportResult<PeerId> {
+        dispatch!(self, t => t.load_native_peer(metadata, regions))
+    }
 }
 
 #[cfg(test)]

@@ -208,6 +208,18 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.peer_failed(peer)
     }
 
+    fn native_metadata(&self) -> TransportResult<Vec<u8>> {
+        self.inner.native_metadata()
+    }
+
+    fn load_native_peer(
+        &mut self,
+        metadata: &[u8],
+        regions: &[(MemoryKind, AddrRange)],
+    ) -> TransportResult<PeerId> {
+        self.inner.load_native_peer(metadata, regions)
+    }
+
     fn prefers_prepared_lists(&self) -> bool {
         self.inner.prefers_prepared_lists()
     }

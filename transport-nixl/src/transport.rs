@@ -485,6 +485,52 @@ impl Transport for NixlTransport {
         Ok(id)
     }
 
+    fn native_metadata(&self) -> TransportResult<Vec<u8>> {
+        self.agent
+            .get_local_md()
+            .map_err(|e| backend_err("metadata", e))
+    }
+
+    fn load_native_peer(
+        &mut self,
+        metadata: &[u8],
+        regions: &[(MemoryKind, AddrRange)],
+    ) -> TransportResult<PeerId> {
+        if regions.len() > metadata::MAX_REGIONS {
+            return Err(TransportError::InvalidMetadata(format!(
+                "{} regions advertised",
+                regions.len()
+            )));
+        }
+        for (kind, r) in regions {
+            if r.len == 0 || r.addr.checked_add(r.len).is_none() {
+                return Err(TransportError::InvalidMetadata(format!(
+                    "advertised region {:#x}+{} ({kind}) is empty or wraps",
+                    r.addr, r.len
+                )));
+            }
+        }
+        let name = self.agent.load_remote_md(metadata).map_err(|e| {
+            TransportError::InvalidMetadata(format!("NIXL refused the peer's metadata: {e}"))
+        })?;
+        if let Some((&old, _)) = self.peers.iter().find(|(_, p)| p.name == name) {
+            // The same agent again (its name is unique per process): NIXL replaced its
+            // metadata; lists prepared against the old load go.
+            self.peers.remove(&old);
+            self.lists.forget_peer(old);
+            self.native.retain(|_, l| l.peer != Some(old));
+        }
+        let id = PeerId(self.next());
+        self.peers.insert(
+            id,
+            Peer {
+                name,
+                advertised: regions.to_vec(),
+            },
+        );
+        Ok(id)
+    }
+
     fn remove_peer(&mut self, peer: PeerId) -> TransportResult<()> {
         let p = self
             .peers

@@ -97,6 +97,31 @@ pub trait Transport: Send {
         None
     }
 
+    /// The library's own metadata, exactly what a stock agent of the same library loads
+    /// (NIXL's `getLocalMD`), for peers that are not kvxfer: kvxfer's extras travel in the
+    /// peer protocol's own fields, never inside it. `NotSupported` where the library has no
+    /// stock agents to talk to (UCX, loopback).
+    fn native_metadata(&self) -> TransportResult<Vec<u8>> {
+        Err(TransportError::NotSupported(format!(
+            "{}: no native metadata for stock peers",
+            self.name()
+        )))
+    }
+
+    /// Loads a stock agent's native metadata. `regions` are what the peer advertised through
+    /// its own protocol (vLLM's base addresses and block geometry); remote ranges are
+    /// checked against them as against a kvxfer peer's registrations.
+    fn load_native_peer(
+        &mut self,
+        _metadata: &[u8],
+        _regions: &[(MemoryKind, AddrRange)],
+    ) -> TransportResult<PeerId> {
+        Err(TransportError::NotSupported(format!(
+            "{}: stock peers cannot be loaded",
+            self.name()
+        )))
+    }
+
     /// Sends a notification without data.
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()>;
 
