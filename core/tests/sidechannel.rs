@@ -254,12 +254,33 @@ fn a_vllm_request_gets_the_vllm_payload_and_our_clock() {
     );
 }
 
+/// A ROUTER on a free loopback port, and the port.
+fn bound_router() -> (zmq::Socket, u16) {
+    let router = zmq::Context::new().socket(zmq::ROUTER).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = router.get_last_endpoint().unwrap().unwrap();
+    let port = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    (router, port)
+}
+
+/// vLLM's request for pipeline stage 0, TP rank 0, to the listener at `port`.
+fn ask_rank_0(
+    port: u16,
+    timeout: Duration,
+) -> Result<kvxfer_core::sidechannel::VllmReply, FetchError> {
+    use kvxfer_core::wire::vllm::MetaRequest;
+    let request = MetaRequest {
+        pp_rank: 0,
+        tp_rank: 0,
+    };
+    kvxfer_core::sidechannel::fetch_vllm("127.0.0.1", port, request, timeout, MAX_HANDSHAKE_BYTES)
+}
+
 /// A vLLM listener answering one frame, or a bad clock, is a typed error; one answering
 /// nothing is a timeout.
 #[test]
 fn bad_vllm_replies_are_typed_errors() {
-    use kvxfer_core::sidechannel::fetch_vllm;
-    use kvxfer_core::wire::vllm::{HandshakePayload, MetaRequest, encode_clock};
+    use kvxfer_core::wire::vllm::{HandshakePayload, encode_clock};
 
     let payload = HandshakePayload {
         compatibility_hash: "0".repeat(64),
@@ -274,18 +295,7 @@ fn bad_vllm_replies_are_typed_errors() {
         vec![payload, encode_clock(1.0), encode_clock(2.0)],
     ];
     for frames in replies {
-        let ctx = zmq::Context::new();
-        let router = ctx.socket(zmq::ROUTER).unwrap();
-        router.bind("tcp://127.0.0.1:*").unwrap();
-        let port: u16 = router
-            .get_last_endpoint()
-            .unwrap()
-            .unwrap()
-            .rsplit(':')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let (router, port) = bound_router();
         let answer = std::thread::spawn(move || {
             let req = router.recv_multipart(0).unwrap();
             let mut out = vec![req[0].clone(), Vec::new()];
@@ -293,42 +303,14 @@ fn bad_vllm_replies_are_typed_errors() {
             router.send_multipart(out, 0).unwrap();
             router
         });
-        let got = fetch_vllm(
-            "127.0.0.1",
-            port,
-            MetaRequest {
-                pp_rank: 0,
-                tp_rank: 0,
-            },
-            T,
-            MAX_HANDSHAKE_BYTES,
-        );
+        let got = ask_rank_0(port, T);
         assert!(matches!(got, Err(FetchError::BadReply { .. })), "{got:?}");
         drop(answer.join());
     }
     // Nobody answers: bounded by the timeout.
-    let silent = zmq::Context::new().socket(zmq::ROUTER).unwrap();
-    silent.bind("tcp://127.0.0.1:*").unwrap();
-    let port: u16 = silent
-        .get_last_endpoint()
-        .unwrap()
-        .unwrap()
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (_silent, port) = bound_router();
     let start = Instant::now();
-    let got = fetch_vllm(
-        "127.0.0.1",
-        port,
-        MetaRequest {
-            pp_rank: 0,
-            tp_rank: 0,
-        },
-        Duration::from_millis(300),
-        MAX_HANDSHAKE_BYTES,
-    );
+    let got = ask_rank_0(port, Duration::from_millis(300));
     assert!(matches!(got, Err(FetchError::Timeout { .. })), "{got:?}");
     assert!(start.elapsed() < Duration::from_secs(3));
 }
