@@ -19,7 +19,11 @@ prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d``
 finish before it returns, so that an engine waiting only for transfers does not step
 back-to-back; a request arriving meanwhile waits as long; 0 turns it off, at most 1),
 ``ucx_library`` (``auto``: the UCX a NIXL wheel bundles when one is installed, else the
-system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`).
+system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`), ``vllm_peers`` (true:
+also speak vLLM 0.32.0's NixlConnector handshake, so that stock vLLM engines running
+``NixlConnector`` pull from this prefill and this decode pulls from them; serving them needs
+``transport: nixl``), ``enforce_handshake_compat`` (true: refuse stock peers whose
+compatibility hash differs, as vLLM does).
 ``kv_transfer_config.kv_load_failure_policy`` (``fail`` or ``recompute``) decides what vLLM
 does with a failed load.
 
@@ -48,6 +52,7 @@ from vllm.v1.request import RequestStatus
 
 import kvxfer
 import kvxfer.ucx
+from kvxfer.vllm_compat import compat_json
 from kvxfer.vllm_stats import KvxferPromMetrics, KvxferStats
 
 if TYPE_CHECKING:
@@ -81,6 +86,14 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 def _layer_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Model-layer order: `model.layers.10.` after `model.layers.9.`."""
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name))
+
+
+def _backend_name(vllm_config: VllmConfig, layer: str) -> str:
+    """The attention backend vLLM runs `layer` with (what its NixlConnector hashes)."""
+    attn = vllm_config.compilation_config.static_forward_context.get(layer)
+    if attn is None or not hasattr(attn, "get_attn_backend"):
+        raise ValueError(f"no attention layer {layer!r} to name its backend")
+    return str(attn.get_attn_backend().get_name())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -167,7 +180,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: kvxfer.PullWorker | None = None
         self._invalid_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = kvxfer.PullScheduler(self._engine_id, self._host, self._port)
+            self._scheduler = kvxfer.PullScheduler(
+                self._engine_id,
+                self._host,
+                self._port,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
 
     # ---- scheduler side (EngineCore process) ----
 
@@ -262,6 +280,22 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
         tp_rank = get_tensor_model_parallel_rank()
         e = self._extra
+        vllm_compat = None
+        if bool(e.get("vllm_peers", True)):
+            import vllm
+
+            names = sorted(kv_caches, key=_layer_key)
+            try:
+                vllm_compat = compat_json(
+                    cfg,
+                    vllm.__version__,
+                    _backend_name(cfg, names[0]),
+                    names,
+                    bool(e.get("enforce_handshake_compat", True)),
+                )
+            except ValueError as err:
+                # kvxfer peers are unaffected: only stock vLLM peers need the factors.
+                log.warning("kvxfer: stock vLLM peers disabled: %s", err)
         transport = str(e.get("transport", "ucx"))
         if transport == "ucx":
             library = kvxfer.ucx.select(str(e.get("ucx_library", "auto")))
@@ -283,6 +317,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             handshake_timeout=float(e.get("handshake_timeout", 5.0)),
             failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
             enforce_compat=bool(e.get("enforce_compat", True)),
+            vllm_compat=vllm_compat,
             **layout,
         )
         log.info(

@@ -28,6 +28,25 @@ fn params(json: Option<&str>) -> PyResult<Option<KvTransferParams>> {
         .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
 }
 
+/// `vllm_compat` as the engine adapter writes it.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VllmCompatArgs {
+    factors: kvxfer_core::wire::vllm::CompatFactors,
+    enforce_hash: bool,
+    region_names: Vec<String>,
+}
+
+fn parse_vllm_compat(json: &str) -> PyResult<pull::VllmCompat> {
+    let a: VllmCompatArgs = serde_json::from_str(json)
+        .map_err(|e| InvalidArgumentError::new_err(format!("vllm_compat: {e}")))?;
+    Ok(pull::VllmCompat {
+        factors: a.factors,
+        enforce_hash: a.enforce_hash,
+        region_names: a.region_names,
+    })
+}
+
 /// Longest `get_finished` wait: the engine's step waits on it.
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -39,11 +58,13 @@ pub struct PullScheduler {
 
 #[pymethods]
 impl PullScheduler {
-    /// A scheduler for `engine_id`, whose workers' side channels listen at `host:port`.
+    /// A scheduler for `engine_id` (TP size `tp_size`), whose workers' side channels listen
+    /// at `host:port`.
     #[new]
-    fn new(engine_id: &str, host: &str, port: u16) -> Self {
+    #[pyo3(signature = (engine_id, host, port, tp_size = 1))]
+    fn new(engine_id: &str, host: &str, port: u16, tp_size: u32) -> Self {
         PullScheduler {
-            inner: pull::PullScheduler::new(engine_id, host, port),
+            inner: pull::PullScheduler::new(engine_id, host, port).with_tp_size(tp_size),
         }
     }
 
@@ -56,9 +77,9 @@ impl PullScheduler {
         num_computed_tokens: usize,
     ) -> PyResult<(usize, bool)> {
         let p = params(params_json)?;
-        Ok(self
-            .inner
-            .tokens_to_load(p.as_ref(), prompt_len, num_computed_tokens))
+        self.inner
+            .tokens_to_load(p.as_ref(), prompt_len, num_computed_tokens)
+            .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
     }
 
     /// Records a request after block allocation; returns its updated params JSON.
@@ -133,7 +154,7 @@ impl PullWorker {
         first_layer = 0, memory = "host", side_channel_host = "127.0.0.1",
         side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
         heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
-        failure_policy = "fail", enforce_compat = true, prepared_lists = true
+        failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -167,6 +188,7 @@ impl PullWorker {
         failure_policy: &str,
         enforce_compat: bool,
         prepared_lists: bool,
+        vllm_compat: Option<&str>,
     ) -> PyResult<Self> {
         let cache = cache::build(CacheArgs {
             kind,
@@ -211,6 +233,7 @@ impl PullWorker {
         };
         config.enforce_compat = enforce_compat;
         config.prepared_lists = prepared_lists;
+        config.vllm = vllm_compat.map(parse_vllm_compat).transpose()?;
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();
         let worker = py.detach(move || {
@@ -330,6 +353,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("failed_notifications", m.failed_notifications)?;
     d.set_item("heartbeats", m.heartbeats)?;
     d.set_item("expired_leases", m.expired_leases)?;
+    d.set_item("expired_reads", m.expired_reads)?;
     d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("lost_connections", m.lost_connections)?;
     d.set_item("peer_restarts", m.peer_restarts)?;

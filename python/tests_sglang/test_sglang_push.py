@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pytest
 import requests
 from conftest import PROMPTS, Pair
 from harness import PROMPT_A, PROMPT_B, body, direct, post, tokens_and_logprobs, wait_healthy
@@ -122,7 +123,10 @@ def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving
     pair: Pair, reference: dict
 ) -> None:
     """Runs last on its pair: it kills the prefill (the router's prefill), then starts
-    another on the same bootstrap port."""
+    another on the same bootstrap port. Over UCX only: a dead prefill is detected by the
+    backend's heartbeats, not by the transport, and the restart costs CI about 1.5 min."""
+    if pair.transport != "ucx":
+        pytest.skip("kill and restart run over UCX only: detection is not the transport's")
     r = room()
     reply: dict[str, Any] = {}
 

@@ -10,6 +10,15 @@ BLOCK = 32
 DECODE_TOKENS = 8
 
 
+def block_ids(params: dict[str, Any]) -> list[int]:
+    """The prefill's block ids in `params`: vLLM 0.32 writes one list per KV cache group."""
+    ids = params["remote_block_ids"]
+    if ids and isinstance(ids[0], list):
+        assert all(not g for g in ids[1:]), ids
+        return list(ids[0])
+    return list(ids)
+
+
 def prompt(seed: int, length: int) -> list[int]:
     return random.Random(seed).choices(range(3, 1000), k=length)
 

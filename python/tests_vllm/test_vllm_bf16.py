@@ -6,6 +6,7 @@ from flows import (
     BLOCK,
     assert_blocks_arrived,
     assert_same_output,
+    block_ids,
     decode,
     kvxfer_metrics,
     prefill,
@@ -32,7 +33,7 @@ def test_bf16_blocks_arrive_byte_identical_and_output_equals_a_local_run(
     (remote,) = decode(d, [x], [params])
     assert d.call({"op": "external_tokens"}) - external == len(x)
     after = d.call({"op": "kv_hashes"})
-    assert_blocks_arrived(p_blocks, None, after, params["remote_block_ids"][: len(x) // BLOCK])
+    assert_blocks_arrived(p_blocks, None, after, block_ids(params)[: len(x) // BLOCK])
     assert_same_output(remote, local_run(d, x))
 
 
@@ -45,7 +46,7 @@ def test_a_decode_prefix_cache_hit_moves_only_the_missing_blocks(
     x = head + prompt(23, 2 * BLOCK)
     decode(d, [head], [None])  # the decode computes x's first 3 blocks itself and caches them
     (params,) = prefill(p, [x])
-    assert len(params["remote_block_ids"]) == 5
+    assert len(block_ids(params)) == 5
     external = d.call({"op": "external_tokens"})
     metrics = kvxfer_metrics(d)
     (remote,) = decode(d, [x], [params])

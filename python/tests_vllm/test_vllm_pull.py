@@ -6,6 +6,7 @@ from flows import (
     BLOCK,
     assert_blocks_arrived,
     assert_same_output,
+    block_ids,
     decode,
     kvxfer_metrics,
     prefill,
@@ -21,7 +22,7 @@ def test_blocks_arrive_byte_identical_and_output_equals_a_local_run(
     x = prompt(1, 100)  # not a multiple of the block size: the last block is partial
     before = d.call({"op": "kv_hashes"})
     (params,) = prefill(p, [x])
-    assert len(params["remote_block_ids"]) == 4
+    assert len(block_ids(params)) == 4
     p_blocks = p.call({"op": "kv_hashes"})
     external = d.call({"op": "external_tokens"})
     metrics = kvxfer_metrics(d)
@@ -30,7 +31,7 @@ def test_blocks_arrive_byte_identical_and_output_equals_a_local_run(
     assert d.call({"op": "external_tokens"}) - external == len(x)
     # (a) every full block the prefill listed is in the decode's cache now, and was not before.
     after = d.call({"op": "kv_hashes"})
-    assert_blocks_arrived(p_blocks, before, after, params["remote_block_ids"][: len(x) // BLOCK])
+    assert_blocks_arrived(p_blocks, before, after, block_ids(params)[: len(x) // BLOCK])
     # (b) the same tokens and logprobs as the decode computing the prompt itself.
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)

@@ -40,6 +40,7 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "failed_notifications": 0,
         "heartbeats": 0,
         "expired_leases": 0,
+        "expired_reads": 0,
         "refused_loads": 0,
         "lost_connections": 0,
         "peer_restarts": 0,

@@ -1,7 +1,7 @@
 """Heterogeneous tensor parallelism on a real vLLM: a TP 1 prefill and a TP 2 decode. Each
 decode rank pulls its own KV head of every block from the one prefill rank."""
 
-from flows import BLOCK, assert_same_output, decode, kvxfer_metrics, prefill, prompt
+from flows import BLOCK, assert_same_output, block_ids, decode, kvxfer_metrics, prefill, prompt
 from harness import Engine
 
 HeadHashes = dict[str, dict[str, list[str]]]  # layer -> block -> one hash per KV head
@@ -26,7 +26,7 @@ def test_each_decode_rank_pulls_its_own_heads_and_the_output_equals_a_local_run(
     # The decode did not compute the prompt: every token came through the connector.
     assert d.call({"op": "external_tokens"}) - external == len(x)
     after: list[HeadHashes] = d.call({"op": "kv_head_hashes"})
-    full = params["remote_block_ids"][: len(x) // BLOCK]
+    full = block_ids(params)[: len(x) // BLOCK]
     assert len(full) == 3 and len(p_heads) == 2, (full, list(p_heads))
     for layer, blocks in p_heads.items():
         heads = len(next(iter(blocks.values())))

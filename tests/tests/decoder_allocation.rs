@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvxfer_core::push::messages::{self, ToPrefill};
 use kvxfer_core::wire::handshake::HandshakeMeta;
+use kvxfer_core::wire::vllm;
 use kvxfer_transport_ucx::metadata::AgentMeta;
 
 struct Counting;
@@ -73,6 +74,22 @@ fn announced_lengths_do_not_drive_allocation() {
         ),
         ("str32 engine id", map_with("engine_id", &with(0xdb), 64)),
         ("map32", map_with("kvxfer_layout", &with(0xdf), 64)),
+        (
+            "array32 of lengths",
+            map_with("block_lens", &with(0xdd), 64),
+        ),
+        (
+            "array32 of names",
+            map_with("region_names", &with(0xdd), 64),
+        ),
+        (
+            "bin32 agent metadata bytes",
+            map_with("agent_metadata_bytes", &with(0xc6), 64),
+        ),
+        (
+            "map32 member layouts",
+            map_with("packed_member_layouts", &with(0xdf), 64),
+        ),
         ("array32 of pages", {
             let mut b = vec![0x82, 0xa4];
             b.extend_from_slice(b"kind");
@@ -90,6 +107,8 @@ fn announced_lengths_do_not_drive_allocation() {
         let peak = peak_of(|| {
             let _ = HandshakeMeta::decode(bytes, 32 << 20);
             let _ = messages::decode::<ToPrefill>(bytes, "room");
+            let _ = vllm::HandshakePayload::decode(bytes, 32 << 20);
+            let _ = vllm::AgentMetadata::decode(bytes, 32 << 20);
         });
         assert!(
             peak <= limit,
@@ -111,6 +130,8 @@ fn announced_lengths_do_not_drive_allocation() {
     let peak = peak_of(|| {
         assert!(HandshakeMeta::decode(&big, 32 << 20).is_err());
         assert!(messages::decode::<ToPrefill>(&big, "room").is_err());
+        assert!(vllm::AgentMetadata::decode(&big, 32 << 20).is_err());
+        assert!(vllm::HandshakePayload::decode(&big, 32 << 20).is_err());
     });
     assert!(peak < 64 << 10, "oversized: peak {peak} B");
 }

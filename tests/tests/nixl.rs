@@ -174,3 +174,112 @@ fn fragmented_requests_post_by_index() {
         kvxfer_tests::scenarios::pull::fragmented_requests_post_by_index,
     );
 }
+
+/// A decode speaking vLLM 0.32's handshake to a prefill that serves it (as with a stock
+/// vLLM NixlConnector on either side): plain NIXL metadata, the region geometry from vLLM's
+/// fields, read notes from an agent that never named itself counted, every note understood
+/// (`HB:` heartbeats too, where one went out before the read finished); reads too close to
+/// the prefill's expiry declined; a decode with other compatibility factors refused, naming
+/// the hash. (Both sides are kvxfer: interop with vLLM itself is `tests_vllm`'s.)
+#[test]
+fn the_vllm_handshake_pairs_over_plain_nixl_metadata() {
+    run("vllm-protocol", |f| {
+        use kvxfer_core::pull::{PullConfig, VllmCompat};
+        use kvxfer_core::wire::vllm::CompatFactors;
+        use kvxfer_tests::pull_env::{Model, engine};
+        use kvxfer_tests::scenarios::pull::{clock, first_failure, mk, poll_until_pair};
+
+        let factors = |model: &str| CompatFactors {
+            vllm_version: "0.32.0".into(),
+            nixl_connector_version: 14,
+            model: model.into(),
+            dtype: "torch.float16".into(),
+            num_kv_heads: 4,
+            head_size: 8,
+            num_hidden_layers: 2,
+            attn_backend_name: "kvxfer".into(),
+            cache_dtype: "auto".into(),
+            is_hma_enabled: true,
+            speculative_config: serde_json::Value::Null,
+            transfer_mode: "pull".into(),
+        };
+        let tune = |model: &'static str| {
+            move |c: &mut PullConfig| {
+                c.vllm = Some(VllmCompat {
+                    factors: factors(model),
+                    enforce_hash: true,
+                    region_names: Vec::new(),
+                });
+                c.heartbeat_interval = std::time::Duration::from_millis(1);
+            }
+        };
+        let model = Model::small(kvxfer_layout::BlockOrder::Hnd, 4);
+        let c = clock();
+        let mut pre = engine("vllm-P", &model, 1, true, c.clone(), &mk(f), &tune("m"));
+        let mut dec = engine("vllm-D", &model, 1, false, c.clone(), &mk(f), &tune("m"));
+        let mut params = pre.finish_prefill("r", &[3, 4, 9]);
+        // As a stock prefill hands them: vLLM's transfer mode, no kvxfer version.
+        params.kvxfer_protocol = None;
+        assert_eq!(params.transfer_mode.as_deref(), Some("pull"));
+        dec.start_load("r", &params, &[0, 7, 8], 12);
+        let mut failures = Vec::new();
+        poll_until_pair(
+            &mut dec,
+            &mut pre,
+            &mut [false],
+            &mut [false],
+            &mut failures,
+        );
+        assert!(failures.is_empty(), "{failures:?}");
+        dec.caches[0].verify(&[(3, 0), (4, 7), (9, 8)]).unwrap();
+        let m = pre.workers[0].take_metrics();
+        assert_eq!((m.refused_notes, m.expired_leases), (0, 0), "{m:?}");
+        assert_eq!(pre.workers[0].unknown_notifications(), 0);
+
+        // Blocks the prefill frees within the safety margin (its clock is ours here: the
+        // handshake measured an offset near 0) are not read; ones freed later are.
+        let now = kvxfer_core::sidechannel::monotonic_seconds();
+        let mut soon = pre.finish_prefill("r-soon", &[6]);
+        soon.kvxfer_protocol = None;
+        soon.remote_blocks_expiry_time = serde_json::Number::from_f64(now + 2.0);
+        dec.start_load("r-soon", &soon, &[2], 4);
+        let failed = first_failure(&mut dec);
+        assert!(
+            failed[0].reason.contains("too late"),
+            "{}",
+            failed[0].reason
+        );
+        assert_eq!(dec.workers[0].take_metrics().expired_reads, 1);
+        let mut later = pre.finish_prefill("r-later", &[6]);
+        later.kvxfer_protocol = None;
+        later.remote_blocks_expiry_time = serde_json::Number::from_f64(now + 60.0);
+        dec.start_load("r-later", &later, &[2], 4);
+        let mut failures = Vec::new();
+        poll_until_pair(
+            &mut dec,
+            &mut pre,
+            &mut [false],
+            &mut [false],
+            &mut failures,
+        );
+        assert!(failures.is_empty(), "{failures:?}");
+        dec.caches[0]
+            .verify(&[(3, 0), (4, 7), (9, 8), (6, 2)])
+            .unwrap();
+
+        // Other factors: refused before the agent metadata is read.
+        let mut other = engine("vllm-D2", &model, 1, false, c, &mk(f), &tune("other"));
+        let params = pre.finish_prefill("r2", &[5]);
+        let mut params = params;
+        params.kvxfer_protocol = None;
+        other.start_load("r2", &params, &[1], 4);
+        let failed = first_failure(&mut other);
+        assert_eq!(failed[0].invalid_blocks, vec![1]);
+        assert!(
+            failed[0].reason.contains("compatibility hash differs")
+                && failed[0].reason.contains("\"model\":\"other\""),
+            "{}",
+            failed[0].reason
+        );
+    });
+}

@@ -6,6 +6,19 @@ use kvxfer_layout::{CacheKind, CacheSpec, HeadSharding};
 
 use crate::transport::MemoryKind;
 use crate::wire::handshake::MAX_HANDSHAKE_BYTES;
+use crate::wire::vllm::CompatFactors;
+
+/// What a worker needs to speak vLLM 0.32's NixlConnector handshake with stock vLLM peers:
+/// its compatibility factors (inside vLLM, from the engine config) and its regions' names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmCompat {
+    /// This engine's factors; their hash is served to and expected from stock peers.
+    pub factors: CompatFactors,
+    /// Refuse stock peers whose hash differs (vLLM's `enforce_handshake_compat`).
+    pub enforce_hash: bool,
+    /// The layer name of each region, in region order (vLLM's `region_names`).
+    pub region_names: Vec<String>,
+}
 
 /// What the engine should do with a request whose KV cache could not be loaded. kvxfer only
 /// reports the failure: the request appears in `Finished::recving` and `Finished::failed`
@@ -89,6 +102,9 @@ pub struct PullConfig {
     /// less than a tenth by index, as vLLM does; the others post coalesced plans. On by
     /// default.
     pub prepared_lists: bool,
+    /// Speak vLLM 0.32's handshake with stock vLLM peers: serve them this rank's cache and
+    /// pull from them. `None`: kvxfer peers only.
+    pub vllm: Option<VllmCompat>,
 }
 
 impl PullConfig {
@@ -111,6 +127,7 @@ impl PullConfig {
             failure_policy: FailurePolicy::Fail,
             enforce_compat: true,
             prepared_lists: true,
+            vllm: None,
         }
     }
 }

@@ -113,11 +113,22 @@ impl Holds {
                     .count(from, readers)
             }
             PullNote::Heartbeat { req_id } => {
-                if let Some(h) = self.held.get_mut(req_id) {
-                    h.deadline = now.saturating_add(self.lease);
+                self.renew(req_id, now);
+                true
+            }
+            PullNote::Heartbeats { req_ids } => {
+                for id in req_ids.split(',').filter(|id| !id.is_empty()) {
+                    self.renew(id, now);
                 }
                 true
             }
+        }
+    }
+
+    /// Extends a held request's lease to a full lease from `now`.
+    fn renew(&mut self, req_id: &str, now: Duration) {
+        if let Some(h) = self.held.get_mut(req_id) {
+            h.deadline = now.saturating_add(self.lease);
         }
     }
 
@@ -243,6 +254,25 @@ mod tests {
         h.hold("r", Duration::ZERO, &mut freed);
         assert_eq!(freed, ["r"], "the early note did not count");
         assert_eq!((h.held(), h.early()), (0, 0));
+    }
+
+    #[test]
+    fn a_vllm_heartbeat_extends_every_request_it_names() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        let t = |s| Duration::from_secs(s);
+        for id in ["a", "b", "c"] {
+            h.hold(id, t(0), &mut freed);
+        }
+        let hb = PullNote::Heartbeats { req_ids: "a,,c,zz" };
+        assert!(h.note("d", &hb, t(10), &mut freed));
+        assert_eq!(h.expire(t(30), &mut freed), 1);
+        assert_eq!(freed, ["b"], "only b was not named");
+        assert_eq!(
+            h.expire(t(40), &mut freed),
+            2,
+            "a and c end a lease after the heartbeat"
+        );
     }
 
     #[test]

@@ -34,6 +34,8 @@ pub struct PullMetrics {
     pub heartbeats: u64,
     /// Held requests freed because their lease expired.
     pub expired_leases: u64,
+    /// Decode side: loads declined because a stock prefill frees their blocks too soon.
+    pub expired_reads: u64,
     /// Loads refused because one of the same request id was already in flight.
     pub refused_loads: u64,
     /// Cached connections to a prefill engine dropped after a failed transfer or a peer
@@ -105,6 +107,7 @@ impl PullMetrics {
         self.failed_notifications += o.failed_notifications;
         self.heartbeats += o.heartbeats;
         self.expired_leases += o.expired_leases;
+        self.expired_reads += o.expired_reads;
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
         self.peer_restarts += o.peer_restarts;
@@ -141,6 +144,7 @@ mod tests {
             failed_notifications: n,
             heartbeats: n,
             expired_leases: n,
+            expired_reads: n,
             refused_loads: n,
             lost_connections: n,
             peer_restarts: n,

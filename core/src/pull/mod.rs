@@ -15,7 +15,7 @@ mod scheduler;
 mod worker;
 
 pub use aggregate::{FinishedAggregator, LocalAggregator};
-pub use config::{FailurePolicy, KvCache, PullConfig};
+pub use config::{FailurePolicy, KvCache, PullConfig, VllmCompat};
 pub use metrics::{BackendTelemetry, PullMetrics};
 pub use scheduler::{FinishDecision, PullScheduler, RecvRequest, StepMeta};
 pub use worker::{FailedLoad, Finished, IDLE_POLL, LoadRefused, PullError, PullWorker};

@@ -4,6 +4,8 @@
 
 /// Prefix of lease heartbeats (kvxfer peers only; reference peers never receive them).
 pub const HEARTBEAT_PREFIX: &str = "kvxfer-hb:";
+/// Prefix of vLLM 0.32's heartbeats, `HB:` and a comma-separated list of request ids.
+pub const VLLM_HEARTBEAT_PREFIX: &str = "HB:";
 
 /// A notification the prefill side understands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +22,11 @@ pub enum PullNote<'a> {
         /// Request id.
         req_id: &'a str,
     },
+    /// `"HB:{id},{id},..."`: vLLM 0.32's heartbeat for several requests.
+    Heartbeats {
+        /// The request ids, comma-separated (empty ids are skipped).
+        req_ids: &'a str,
+    },
 }
 
 /// The read-done message.
@@ -32,11 +39,20 @@ pub fn heartbeat(req_id: &str) -> Vec<u8> {
     format!("{HEARTBEAT_PREFIX}{req_id}").into_bytes()
 }
 
+/// vLLM 0.32's heartbeat for `req_ids` (which must not contain commas).
+pub fn vllm_heartbeat(req_ids: &[&str]) -> Vec<u8> {
+    format!("{VLLM_HEARTBEAT_PREFIX}{}", req_ids.join(",")).into_bytes()
+}
+
 /// Parses a notification; anything else is `None` (dropped and counted by the caller).
 pub fn parse(message: &[u8]) -> Option<PullNote<'_>> {
     let text = std::str::from_utf8(message).ok()?;
     if let Some(req_id) = text.strip_prefix(HEARTBEAT_PREFIX) {
         return (!req_id.is_empty()).then_some(PullNote::Heartbeat { req_id });
+    }
+    // Before read notes: `HB:1` would otherwise read as request `HB`, one reader.
+    if let Some(req_ids) = text.strip_prefix(VLLM_HEARTBEAT_PREFIX) {
+        return (!req_ids.is_empty()).then_some(PullNote::Heartbeats { req_ids });
     }
     let (req_id, readers) = text.rsplit_once(':')?;
     let readers: u32 = readers.parse().ok()?;
@@ -60,6 +76,13 @@ mod tests {
             parse(&heartbeat("r")),
             Some(PullNote::Heartbeat { req_id: "r" })
         );
+        assert_eq!(
+            parse(&vllm_heartbeat(&["0-a1", "1-b2"])),
+            Some(PullNote::Heartbeats {
+                req_ids: "0-a1,1-b2"
+            })
+        );
+        assert_eq!(parse(b"HB:7"), Some(PullNote::Heartbeats { req_ids: "7" }));
         for junk in [
             &b""[..],
             b"r",
@@ -69,6 +92,7 @@ mod tests {
             b"r:x",
             b"\xff\xfe:1",
             b"kvxfer-hb:",
+            b"HB:",
         ] {
             assert_eq!(parse(junk), None, "{junk:?}");
         }

@@ -6,7 +6,8 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::wire::WireError;
-use crate::wire::params::KvTransferParams;
+use crate::wire::handshake::PROTOCOL_VERSION;
+use crate::wire::params::{KvTransferParams, PeerProtocol};
 
 /// A load the workers must start: read `remote.block_ids` (their tail) into `local_block_ids`.
 /// An empty `local_block_ids` (full local prefix hit) only notifies the prefill.
@@ -26,6 +27,15 @@ pub struct RecvRequest {
     pub port: u16,
     /// Its blocks holding the request.
     pub remote_block_ids: Vec<u32>,
+    /// The handshake the prefill speaks.
+    #[serde(default)]
+    pub protocol: PeerProtocol,
+    /// The prefill's TP size, where its params said (stock vLLM prefills).
+    #[serde(default)]
+    pub remote_tp_size: Option<u32>,
+    /// When the prefill frees the blocks, in its clock's seconds (stock vLLM prefills).
+    #[serde(default)]
+    pub remote_expiry: Option<serde_json::Number>,
 }
 
 /// What the workers do in one step. Serializable: an engine whose scheduler and workers
@@ -55,6 +65,7 @@ pub struct PullScheduler {
     port: u16,
     pending: StepMeta,
     triggered: HashSet<String>,
+    tp_size: u32,
 }
 
 impl PullScheduler {
@@ -66,24 +77,35 @@ impl PullScheduler {
             port,
             pending: StepMeta::default(),
             triggered: HashSet::new(),
+            tp_size: 1,
         }
+    }
+
+    /// Sets the engine's TP size, which the params handed to decodes carry (a stock vLLM
+    /// decode reads it from there).
+    pub fn with_tp_size(mut self, tp_size: u32) -> Self {
+        self.tp_size = tp_size.max(1);
+        self
     }
 
     /// Tokens to load asynchronously for a request: every prompt token not computed
     /// locally when the request pulls from a remote prefill (the last, partial block
-    /// included, so prompts shorter than a block load too), else none.
+    /// included, so prompts shorter than a block load too), else none. Params a load could
+    /// not start from are an error here, before the engine waits for a load that
+    /// [`PullScheduler::after_alloc`] would refuse.
     pub fn tokens_to_load(
         &self,
         params: Option<&KvTransferParams>,
         prompt_len: usize,
         num_computed_tokens: usize,
-    ) -> (usize, bool) {
+    ) -> Result<(usize, bool), WireError> {
         match params {
             Some(p) if p.do_remote_prefill => {
+                usable(p)?;
                 let count = prompt_len.saturating_sub(num_computed_tokens);
-                (count, count > 0)
+                Ok((count, count > 0))
             }
-            _ => (0, false),
+            _ => Ok((0, false)),
         }
     }
 
@@ -100,7 +122,8 @@ impl PullScheduler {
         if !params.do_remote_prefill || self.triggered.contains(req_id) {
             return Ok(());
         }
-        let src = params.remote_source()?;
+        let src = usable(params)?;
+        let protocol = params.peer_protocol();
         let local = if num_external_tokens > 0 {
             uncomputed_blocks.to_vec()
         } else {
@@ -117,6 +140,9 @@ impl PullScheduler {
             host: src.host.into(),
             port: src.port,
             remote_block_ids: src.block_ids.to_vec(),
+            protocol,
+            remote_tp_size: params.tp_size,
+            remote_expiry: params.remote_blocks_expiry_time.clone(),
         });
         self.triggered.insert(req_id.into());
         params.do_remote_prefill = false;
@@ -160,8 +186,47 @@ impl PullScheduler {
                 remote_host: Some(self.host.clone()),
                 remote_port: Some(self.port),
                 remote_request_id: Some(req_id.into()),
+                tp_size: Some(self.tp_size),
+                dcp_size: None,
+                pp_size: None,
+                transfer_mode: Some("pull".into()),
+                remote_blocks_expiry_time: None,
+                kvxfer_protocol: Some(PROTOCOL_VERSION),
             }),
         }
+    }
+}
+
+/// The remote source of a pulling request's params, checked as the handshake needs it.
+fn usable(params: &KvTransferParams) -> Result<crate::wire::params::RemoteSource<'_>, WireError> {
+    let src = params.remote_source()?;
+    if params.peer_protocol() == PeerProtocol::Vllm032 {
+        check_stock_params(params)?;
+    }
+    Ok(src)
+}
+
+/// What kvxfer pulls from a stock vLLM 0.32 prefill: READ-mode params of one context
+/// stage, with its TP size.
+fn check_stock_params(p: &KvTransferParams) -> Result<(), WireError> {
+    let invalid = |reason: String| WireError::Invalid {
+        what: "kv_transfer_params",
+        reason,
+    };
+    if p.transfer_mode.as_deref() != Some("pull") {
+        return Err(invalid(format!(
+            "transfer_mode {:?}: kvxfer pulls (READ) from stock vLLM prefills; their push mode is not supported",
+            p.transfer_mode
+        )));
+    }
+    match (p.tp_size, p.dcp_size.unwrap_or(1), p.pp_size.unwrap_or(1)) {
+        (None, ..) | (Some(0), ..) => {
+            Err(invalid("a stock vLLM prefill's tp_size is missing".into()))
+        }
+        (_, 1, 1) => Ok(()),
+        (_, dcp, pp) => Err(invalid(format!(
+            "a stock vLLM prefill with dcp_size {dcp}, pp_size {pp}: kvxfer pulls from one context and pipeline stage"
+        ))),
     }
 }
 
@@ -185,7 +250,7 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
         // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
-        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), (40, true));
+        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), Ok((40, true)));
         s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
         let meta = s.build_step_meta();
         assert_eq!(meta.recv.len(), 1);
@@ -197,12 +262,37 @@ mod tests {
         assert!(!p.do_remote_prefill);
     }
 
+    /// Params a load could not start from are refused when vLLM asks how many tokens to
+    /// load, so it never waits for a load that is not coming.
+    #[test]
+    fn unusable_params_are_refused_before_the_engine_waits() {
+        let s = PullScheduler::new("D", "h", 1);
+        let stock = |f: fn(&mut KvTransferParams)| {
+            let mut p = remote(&[3]);
+            p.transfer_mode = Some("pull".into());
+            p.tp_size = Some(1);
+            f(&mut p);
+            s.tokens_to_load(Some(&p), 40, 0)
+        };
+        assert_eq!(stock(|_| {}), Ok((40, true)));
+        assert!(stock(|p| p.transfer_mode = Some("push".into())).is_err());
+        assert!(stock(|p| p.tp_size = None).is_err());
+        assert!(stock(|p| p.pp_size = Some(2)).is_err());
+        assert!(stock(|p| p.dcp_size = Some(2)).is_err());
+        assert!(stock(|p| p.remote_host = None).is_err());
+        // kvxfer params need no tp_size.
+        let mut k = remote(&[3]);
+        k.transfer_mode = Some("pull".into());
+        k.kvxfer_protocol = Some(2);
+        assert_eq!(s.tokens_to_load(Some(&k), 40, 0), Ok((40, true)));
+    }
+
     #[test]
     fn prompt_shorter_than_a_block_still_loads() {
         let s = PullScheduler::new("D", "h", 1);
-        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 0), (5, true));
-        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 5), (0, false));
-        assert_eq!(s.tokens_to_load(None, 50, 0), (0, false));
+        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 0), Ok((5, true)));
+        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 5), Ok((0, false)));
+        assert_eq!(s.tokens_to_load(None, 50, 0), Ok((0, false)));
     }
 
     /// Parameters that do not ask for a remote prefill (vLLM keeps them on requests that
@@ -212,7 +302,7 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7]);
         p.do_remote_prefill = false;
-        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), (0, false));
+        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), Ok((0, false)));
         s.after_alloc("r", &mut p, &[1], 16).unwrap();
         assert!(s.build_step_meta().recv.is_empty());
     }

@@ -91,6 +91,8 @@ pub struct VllmReply {
     pub remote_clock: f64,
     /// Our monotonic clock halfway through the round trip, to estimate the offset.
     pub local_midpoint: f64,
+    /// The round trip, in seconds: the offset's error is at most half of it.
+    pub round_trip: f64,
 }
 
 /// Asks a stock vLLM 0.32 listener at `host:port` for (`pp_rank`, `tp_rank`)'s payload
@@ -118,8 +120,13 @@ pub fn fetch_vllm(
     }
     let socket = req_socket(&ep, timeout, max_reply)?;
     let started = super::listener::monotonic_seconds();
+    // Frame by frame, at most three kept: a reply of many frames is refused, not collected.
     let frames = exchange(&socket, &ep, &request.encode(), timeout, |s| {
-        s.recv_multipart(0)
+        let mut frames = vec![s.recv_bytes(0)?];
+        while frames.len() < 3 && s.get_rcvmore()? {
+            frames.push(s.recv_bytes(0)?);
+        }
+        Ok(frames)
     })?;
     let ended = super::listener::monotonic_seconds();
     let bad = |error: WireError| FetchError::BadReply {
@@ -136,6 +143,7 @@ pub fn fetch_vllm(
         payload: vllm::HandshakePayload::decode(payload, max_reply).map_err(bad)?,
         remote_clock: vllm::decode_clock(clock).map_err(bad)?,
         local_midpoint: started + (ended - started) / 2.0,
+        round_trip: ended - started,
     })
 }
 

@@ -1,14 +1,13 @@
-//! The handshake reply: an agent's metadata as a msgpack **map** with the key set and types
-//! of vLLM 0.9.1's NixlConnector (`engine_id`, `agent_metadata`, `kv_caches_base_addr`,
+//! kvxfer's handshake reply: an agent's metadata as a msgpack **map** with the key set and
+//! types of vLLM 0.9.1's NixlConnector (`engine_id`, `agent_metadata`, `kv_caches_base_addr`,
 //! `num_blocks`, `tp_size`, `block_len`, `attn_backend_name`; `../shared/reference`).
 //! kvxfer's own fields are extra keys prefixed `kvxfer_`, optional on decode and ignored by
 //! decoders that do not know them.
 //!
-//! Only the map's shape is shared with that vLLM: `agent_metadata` carries the transport's
-//! own metadata, which for NIXL is kvxfer's envelope (a stock NIXL agent cannot load it, and
-//! kvxfer's NIXL transport refuses raw NIXL metadata). So kvxfer peers handshake only with
-//! kvxfer peers today; no handshake with a real vLLM completes, and vLLM 0.32.0 speaks a
-//! different protocol altogether (its payload, compatibility hash and two-frame reply).
+//! `agent_metadata` carries the transport's own metadata, which for NIXL is kvxfer's
+//! envelope (NIXL's blob plus the registered regions), so this handshake pairs kvxfer with
+//! kvxfer. Stock vLLM 0.32.0 engines speak [`super::vllm`] instead, which kvxfer also speaks
+//! (plain NIXL metadata, the regions in vLLM's own fields).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 

@@ -1,5 +1,9 @@
 //! Transfer parameters handed from the prefill side to the decode side through the P/D
-//! proxy, with vLLM 0.9.1's JSON keys (vLLM 0.32's nested `remote_block_ids` is not accepted).
+//! proxy, with vLLM's JSON keys. Block ids are read flat (vLLM 0.9.1) or per KV cache group
+//! (vLLM 0.32: `[[..]]`, one group) and written per group, so a stock vLLM 0.32 decode reads
+//! what a kvxfer prefill hands out. `kvxfer_protocol` tells a kvxfer decode that the
+//! prefill is kvxfer; params with vLLM 0.32's `transfer_mode` and without it come from a
+//! stock vLLM NixlConnector.
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -20,7 +24,12 @@ pub struct KvTransferParams {
     #[serde(default)]
     pub do_remote_decode: bool,
     /// The prefill's block ids holding the request (full blocks only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "block_ids::read",
+        serialize_with = "block_ids::write"
+    )]
     pub remote_block_ids: Option<Vec<u32>>,
     /// The prefill engine's id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -36,6 +45,77 @@ pub struct KvTransferParams {
     /// name it. Absent: the decode's id is used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_request_id: Option<String>,
+    /// The prefill's TP size (vLLM 0.32; a kvxfer decode asks a kvxfer prefill's rank 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_size: Option<u32>,
+    /// The prefill's decode-context-parallel size (vLLM 0.32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dcp_size: Option<u32>,
+    /// The prefill's pipeline-parallel size (vLLM 0.32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_size: Option<u32>,
+    /// `pull` or `push` (vLLM 0.32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_mode: Option<String>,
+    /// When the prefill frees the blocks, in seconds of its monotonic clock (vLLM 0.32 sets it
+    /// for blocks a decode node exports; a decode converts it with the clock offset of the
+    /// handshake and declines a read that could not finish in time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_blocks_expiry_time: Option<serde_json::Number>,
+    /// kvxfer's handshake version, which kvxfer prefills set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_protocol: Option<u32>,
+}
+
+/// Which handshake a decode speaks to the prefill named in its params.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum PeerProtocol {
+    /// kvxfer's (also vLLM 0.9.1-shaped reference peers).
+    #[default]
+    Kvxfer,
+    /// vLLM 0.32.0's NixlConnector (connector version 14).
+    Vllm032,
+}
+
+mod block_ids {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Ids {
+        Flat(Vec<u32>),
+        Groups(Vec<Vec<u32>>),
+    }
+
+    /// Flat ids, or one group of ids (more groups, as hybrid models hand out, are refused:
+    /// kvxfer moves one KV cache group).
+    pub fn read<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>, D::Error> {
+        match Option::<Ids>::deserialize(d)? {
+            None => Ok(None),
+            Some(Ids::Flat(v)) => Ok(Some(v)),
+            Some(Ids::Groups(mut g)) => {
+                if g.iter().skip(1).any(|x| !x.is_empty()) {
+                    return Err(serde::de::Error::custom(format!(
+                        "{} KV cache groups of block ids; kvxfer moves one",
+                        g.len()
+                    )));
+                }
+                Ok(Some(if g.is_empty() {
+                    Vec::new()
+                } else {
+                    g.swap_remove(0)
+                }))
+            }
+        }
+    }
+
+    /// One group, as vLLM 0.32 writes them.
+    pub fn write<S: Serializer>(v: &Option<Vec<u32>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(ids) => s.collect_seq([ids]),
+            None => s.serialize_none(),
+        }
+    }
 }
 
 impl KvTransferParams {
@@ -58,6 +138,16 @@ impl KvTransferParams {
     pub fn to_json(&self) -> String {
         // Serializing plain fields cannot fail.
         serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The handshake the prefill that produced these params speaks: vLLM 0.32's where the
+    /// params have its `transfer_mode` and no kvxfer version.
+    pub fn peer_protocol(&self) -> PeerProtocol {
+        if self.kvxfer_protocol.is_none() && self.transfer_mode.is_some() {
+            PeerProtocol::Vllm032
+        } else {
+            PeerProtocol::Kvxfer
+        }
     }
 
     /// For a decode-side request: the fields a remote prefill load needs, or what is missing.

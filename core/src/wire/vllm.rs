@@ -25,6 +25,10 @@ use super::{WireError, check_size};
 pub const VLLM_VERSION: &str = "0.32.0";
 /// `NIXL_CONNECTOR_VERSION` of that release.
 pub const CONNECTOR_VERSION: u32 = 14;
+/// Bound on a stock peer's reply frames. A real payload is about 1 KiB plus NIXL's agent
+/// blob and one name per layer; decoding expands small elements (empty names and lists)
+/// up to about 24 times, so the bound stays far below the kvxfer handshake's.
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
 /// Longest name (engine id, layout, backend, region name) accepted from a peer.
 const MAX_NAME: usize = 1024;
 
@@ -128,9 +132,9 @@ pub struct AgentMetadata {
     /// Blocks per region, where regions differ.
     #[serde(default)]
     pub region_num_blocks: Option<Vec<u64>>,
-    /// KV cache group of each region.
+    /// KV cache group of each region (vLLM writes -1 for regions groups share).
     #[serde(default)]
-    pub region_group_ids: Option<Vec<u32>>,
+    pub region_group_ids: Option<Vec<i64>>,
     /// Layer name of each region.
     #[serde(default)]
     pub region_names: Option<Vec<String>>,

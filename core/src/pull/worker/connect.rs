@@ -10,13 +10,15 @@ use kvxfer_layout::{
     CacheSide, CacheSpec, LinkKind, Side, SideLayout, TpMapping, check_compatible,
 };
 
-use super::{Engine, Outcome, PullWorker, RemoteRank};
+use super::vllm::{StockPrefill, layout_name, stock_handshake};
+use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
 use crate::pull::scheduler::RecvRequest;
 use crate::sidechannel::fetch_metadata_for;
 use crate::tally::Tally;
 use crate::transport::Transport;
-use crate::wire::handshake::{HandshakeMeta, PROTOCOL_VERSION};
+use crate::wire::handshake::PROTOCOL_VERSION;
+use crate::wire::params::PeerProtocol;
 
 impl<T: Transport> PullWorker<T> {
     pub(super) fn spawn_handshake(&mut self, req: &RecvRequest) {
@@ -33,6 +35,8 @@ impl<T: Transport> PullWorker<T> {
             self.config.max_handshake_bytes,
         );
         let started = self.clock.now();
+        let (protocol, remote_tp) = (req.protocol, req.remote_tp_size);
+        let compat = self.config.vllm.clone();
         // Linux keeps a thread's first 15 bytes as its name (`top -H`, /proc): a short
         // prefix leaves room for the engine id.
         // The engine id comes from the request's parameters: a NUL in a thread's name
@@ -45,7 +49,24 @@ impl<T: Transport> PullWorker<T> {
                     port,
                     reader: &reader,
                 };
-                let result = handshake(&at, my_rank, my_tp, sharding, timeout, limit);
+                let result = match protocol {
+                    PeerProtocol::Kvxfer => {
+                        handshake(&at, my_rank, my_tp, sharding, timeout, limit)
+                    }
+                    PeerProtocol::Vllm032 => {
+                        let stock = StockPrefill {
+                            host: &host,
+                            port,
+                            engine_id: &engine_id,
+                            tp_size: remote_tp.unwrap_or(1),
+                            compat: compat.as_ref(),
+                        };
+                        TpMapping::new(stock.tp_size, my_tp, sharding)
+                            .map_err(|e| e.to_string())
+                            .and_then(|m| stock_handshake(&stock, &m, my_rank, timeout, limit))
+                            .map(|ranks| (stock.tp_size, ranks))
+                    }
+                };
                 let _ = tx.send(Outcome {
                     engine_id,
                     started,
@@ -65,6 +86,11 @@ impl<T: Transport> PullWorker<T> {
     }
     pub(super) fn on_handshake(&mut self, outcome: Outcome) {
         let queued = self.queued.remove(&outcome.engine_id).unwrap_or_default();
+        let clock_offset = outcome
+            .result
+            .as_ref()
+            .ok()
+            .and_then(|(_, ranks)| ranks.iter().find_map(|(_, f)| f.clock_offset));
         let ready = outcome
             .result
             .and_then(|(remote_tp, metas)| self.connect(remote_tp, metas));
@@ -76,8 +102,14 @@ impl<T: Transport> PullWorker<T> {
                     .tally(self.clock.now().saturating_sub(outcome.started));
                 tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
-                self.engines
-                    .insert(outcome.engine_id.clone(), Engine::Ready { mapping, ranks });
+                self.engines.insert(
+                    outcome.engine_id.clone(),
+                    Engine::Ready {
+                        mapping,
+                        ranks,
+                        clock_offset,
+                    },
+                );
                 for req in queued {
                     self.issue(req);
                 }
@@ -100,7 +132,7 @@ impl<T: Transport> PullWorker<T> {
     pub(super) fn connect(
         &mut self,
         remote_tp: u32,
-        metas: Vec<(u32, HandshakeMeta)>,
+        metas: Vec<(u32, Fetched)>,
     ) -> Result<(TpMapping, HashMap<u32, RemoteRank>), String> {
         let mapping = TpMapping::new(remote_tp, self.config.tp_size, self.cache.sharding())
             .map_err(|e| e.to_string())?;
@@ -124,15 +156,37 @@ impl<T: Transport> PullWorker<T> {
         &mut self,
         mapping: &TpMapping,
         rank: u32,
-        meta: &HandshakeMeta,
+        fetched: &Fetched,
     ) -> Result<RemoteRank, String> {
+        let (meta, native) = (&fetched.meta, fetched.native.as_ref());
         let own = &self.cache;
         let mut problems = Vec::new();
-        if meta.attn_backend_name != self.config.backend_name {
+        // A stock vLLM peer names vLLM's backend, which its compatibility hash covered.
+        let backend = match (native, &self.config.vllm) {
+            (Some(_), Some(v)) => &v.factors.attn_backend_name,
+            _ => &self.config.backend_name,
+        };
+        if &meta.attn_backend_name != backend {
             problems.push(format!(
-                "attention backend: local {}, remote {}",
-                self.config.backend_name, meta.attn_backend_name
+                "attention backend: local {backend}, remote {}",
+                meta.attn_backend_name
             ));
+        }
+        if let Some(n) = native {
+            let ours = layout_name(own.spec.order());
+            if n.kv_cache_layout != ours {
+                problems.push(format!(
+                    "kv_cache_layout: local {ours}, remote {}",
+                    n.kv_cache_layout
+                ));
+            }
+            if n.block_size != own.spec.tokens_per_block() {
+                problems.push(format!(
+                    "block_size: local {}, remote {}",
+                    own.spec.tokens_per_block(),
+                    n.block_size
+                ));
+            }
         }
         let (spec, first_layer) = match &meta.kvxfer_layout {
             Some(layout) => {
@@ -196,18 +250,22 @@ impl<T: Transport> PullWorker<T> {
             tracing::warn!(rank, problems = %problems.join("; "), "incompatible KV layout (enforcement disabled)");
         }
         CacheSide::new(&spec, &meta.kv_caches_base_addr, first_layer).map_err(|e| e.to_string())?;
-        let peer = self
-            .transport
-            .load_peer(&meta.agent_metadata)
-            .map_err(|e| e.to_string())?;
+        let peer = match native {
+            Some(n) => self
+                .transport
+                .load_native_peer(&meta.agent_metadata, &n.regions),
+            None => self.transport.load_peer(&meta.agent_metadata),
+        }
+        .map_err(|e| e.to_string())?;
         let mut remote = RemoteRank {
             peer,
             spec,
             bases: meta.kv_caches_base_addr.clone(),
             first_layer,
-            lease_aware: meta.kvxfer_lease_ms.is_some(),
+            lease_aware: meta.kvxfer_lease_ms.is_some() || native.is_some(),
             lists: None,
             instance: meta.kvxfer_instance,
+            stock: native.is_some(),
         };
         remote.lists = self.block_lists(mapping, rank, &remote);
         Ok(remote)
@@ -360,7 +418,7 @@ fn handshake(
     sharding: kvxfer_layout::HeadSharding,
     timeout: Duration,
     limit: usize,
-) -> Result<(u32, Vec<(u32, HandshakeMeta)>), String> {
+) -> Result<(u32, Vec<(u32, Fetched)>), String> {
     let (host, port) = (at.host, at.port);
     let first =
         fetch_metadata_for(host, port, 0, at.reader, timeout, limit).map_err(|e| e.to_string())?;
@@ -378,17 +436,24 @@ fn handshake(
     let mut metas = Vec::with_capacity(ranks.len());
     for r in ranks {
         if r == 0 {
-            metas.push((0, first.clone()));
+            metas.push((0, kvxfer_peer(first.clone())));
             continue;
         }
         let p = u32::from(port)
             .checked_add(r)
             .and_then(|p| u16::try_from(p).ok())
             .ok_or_else(|| format!("port of prefill rank {r} exceeds 65535"))?;
-        metas.push((
-            r,
-            fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?,
-        ));
+        let meta =
+            fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?;
+        metas.push((r, kvxfer_peer(meta)));
     }
     Ok((remote_tp, metas))
+}
+
+fn kvxfer_peer(meta: crate::wire::handshake::HandshakeMeta) -> Fetched {
+    Fetched {
+        meta,
+        native: None,
+        clock_offset: None,
+    }
 }

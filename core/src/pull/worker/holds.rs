@@ -29,7 +29,7 @@ impl<T: Transport> PullWorker<T> {
                 self.unknown_notifications.tally(1);
                 continue;
             };
-            if !self.readers.contains(&n.from) {
+            if !self.readers.contains(&n.from) && !self.readers.unnamed_allowed() {
                 // Only a decode that fetched our metadata reads (and frees) our blocks.
                 self.metrics.refused_notes.tally(1);
                 tracing::debug!(from = %n.from, "note from an agent that never fetched our metadata dropped");

@@ -15,6 +15,11 @@ use crate::transport::{Op, Transport, XferId, XferStatus};
 
 impl<T: Transport> PullWorker<T> {
     pub(super) fn issue(&mut self, req: RecvRequest) {
+        if let Some(why) = self.expired_at_prefill(&req) {
+            self.metrics.expired_reads.tally(1);
+            self.fail(req, why);
+            return;
+        }
         let start = self.clock.now();
         match self.post_reads(&req) {
             Ok(xfers) => {
@@ -255,6 +260,20 @@ impl<T: Transport> PullWorker<T> {
             self.lose_engine(&engine_id, &reason);
         }
     }
+    /// A stock prefill's expiry for the request's blocks, converted with the handshake's clock
+    /// offset, falls within [`super::vllm::EXPIRY_MARGIN`] of now: reading could race the free.
+    fn expired_at_prefill(&self, req: &RecvRequest) -> Option<String> {
+        let expiry = req.remote_expiry.as_ref()?.as_f64()?;
+        let Some(Engine::Ready { clock_offset, .. }) = self.engines.get(&req.engine_id) else {
+            return None;
+        };
+        super::vllm::expired(
+            expiry,
+            (*clock_offset)?,
+            crate::sidechannel::monotonic_seconds(),
+        )
+    }
+
     pub(super) fn send_heartbeats(&mut self) {
         let now = self.clock.now();
         if now.saturating_sub(self.last_heartbeat) < self.config.heartbeat_interval {
@@ -266,10 +285,13 @@ impl<T: Transport> PullWorker<T> {
                 continue;
             };
             for rank in ranks.values().filter(|r| r.lease_aware) {
-                match self
-                    .transport
-                    .send_notification(rank.peer, &notify::heartbeat(&load.req.remote_req_id))
-                {
+                let id = load.req.remote_req_id.as_str();
+                let note = if rank.stock {
+                    notify::vllm_heartbeat(&[id])
+                } else {
+                    notify::heartbeat(id)
+                };
+                match self.transport.send_notification(rank.peer, &note) {
                     Ok(()) => self.metrics.heartbeats.tally(1),
                     Err(_) => self.metrics.failed_notifications.tally(1),
                 }

@@ -97,6 +97,28 @@ struct RemoteRank {
     lists: Option<BlockLists>,
     /// The worker instance the handshake named (kvxfer peers).
     instance: Option<u64>,
+    /// A stock vLLM 0.32 prefill: heartbeats in its format.
+    stock: bool,
+}
+
+/// One prefill rank's metadata as a handshake fetched it.
+struct Fetched {
+    /// The cache geometry (for a stock peer, as a reference peer's map).
+    meta: HandshakeMeta,
+    /// For a stock vLLM peer: what its own protocol says beyond the map.
+    native: Option<Native>,
+    /// For a stock vLLM peer: its clock minus ours (seconds) when it answered.
+    clock_offset: Option<f64>,
+}
+
+/// What a stock vLLM prefill rank advertised beyond the geometry.
+struct Native {
+    /// The regions NIXL's blob covers, checked against before posting.
+    regions: Vec<(crate::transport::MemoryKind, AddrRange)>,
+    /// `LBHNC` or `LBNHC`.
+    kv_cache_layout: String,
+    /// Tokens per block.
+    block_size: u32,
 }
 
 enum Engine {
@@ -104,13 +126,15 @@ enum Engine {
     Ready {
         mapping: TpMapping,
         ranks: HashMap<u32, RemoteRank>,
+        /// A stock prefill's clock minus ours (seconds), from its handshake reply.
+        clock_offset: Option<f64>,
     },
 }
 
 struct Outcome {
     engine_id: String,
     started: Duration,
-    result: Result<(u32, Vec<(u32, HandshakeMeta)>), String>,
+    result: Result<(u32, Vec<(u32, Fetched)>), String>,
 }
 
 struct Load {
@@ -151,6 +175,7 @@ pub struct PullWorker<T: Transport> {
 mod connect;
 mod holds;
 mod loads;
+mod vllm;
 
 use crate::tally::Tally;
 
@@ -204,7 +229,7 @@ impl<T: Transport> PullWorker<T> {
         .map_err(PullError::SideChannel)?;
         let now = clock.now();
         let readers = listener.readers();
-        Ok(PullWorker {
+        let worker = PullWorker {
             transport,
             holds: Holds::new(config.lease),
             config,
@@ -228,7 +253,9 @@ impl<T: Transport> PullWorker<T> {
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
             indices: (Vec::new(), Vec::new()),
-        })
+        };
+        worker.serve_stock_decodes();
+        Ok(worker)
     }
     /// The port this rank's listener is bound to.
     pub fn listener_port(&self) -> Option<u16> {

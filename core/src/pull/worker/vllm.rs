@@ -1,0 +1,402 @@
+//! Stock vLLM 0.32 peers (NixlConnector, connector version 14): the payload a prefill rank
+//! serves them, and the handshake a decode rank does with a stock prefill. Both end in the
+//! same connection a kvxfer peer gets; only the metadata's form and the heartbeat differ.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use std::time::Duration;
+
+use kvxfer_layout::{BlockOrder, TpMapping};
+
+use super::{Fetched, Native, PullWorker};
+use crate::pull::config::{KvCache, PullConfig, VllmCompat};
+use crate::sidechannel::fetch_vllm;
+use crate::transport::{AddrRange, MemoryKind, Transport};
+use crate::wire::handshake::HandshakeMeta;
+use crate::wire::vllm::{AgentMetadata, HandshakePayload, MAX_PAYLOAD_BYTES, MetaRequest};
+
+impl<T: Transport> PullWorker<T> {
+    /// Serves stock vLLM decodes from this rank's listener where the transport can hand
+    /// them its native metadata (NIXL); otherwise their requests are refused.
+    pub(super) fn serve_stock_decodes(&self) {
+        let (Some(compat), Some(listener)) = (&self.config.vllm, &self.listener) else {
+            return;
+        };
+        match self.transport.native_metadata() {
+            Ok(native) => {
+                let payload = stock_payload(compat, &self.cache, &self.config, native);
+                listener.set_vllm_reply(0, self.config.tp_rank, payload);
+            }
+            Err(e) => tracing::info!(
+                reason = %e,
+                "stock vLLM decodes cannot pull from this rank (they need NIXL)"
+            ),
+        }
+    }
+}
+
+/// The payload vLLM's NixlConnector would serve for this cache: one region per kvxfer
+/// region, blocks contiguous, NIXL's own agent metadata.
+pub(super) fn stock_payload(
+    compat: &VllmCompat,
+    cache: &KvCache,
+    config: &PullConfig,
+    native: Vec<u8>,
+) -> Vec<u8> {
+    let spec = &cache.spec;
+    let regions = cache.bases.len();
+    let (device_id, mem) = match cache.memory {
+        MemoryKind::Host => (0, "DRAM"),
+        MemoryKind::Gpu { device } => (device, "VRAM"),
+    };
+    let blocks = u64::from(spec.num_blocks());
+    let names = (compat.region_names.len() == regions).then(|| compat.region_names.clone());
+    let meta = AgentMetadata {
+        engine_id: config.engine_id.clone(),
+        agent_metadata: native,
+        kv_caches_base_addr: cache.bases.clone(),
+        device_id,
+        num_blocks: blocks,
+        block_lens: vec![spec.block_len(); regions],
+        block_strides: vec![spec.block_len(); regions],
+        kv_cache_layout: layout_name(spec.order()).into(),
+        block_size: spec.tokens_per_block(),
+        ssm_sizes: vec![0, 0],
+        attn_backend_name: compat.factors.attn_backend_name.clone(),
+        physical_blocks_per_logical_kv_block: 1,
+        region_num_blocks: Some(vec![blocks; regions]),
+        region_group_ids: Some(vec![0; regions]),
+        region_names: names,
+        region_mem_types: Some(vec![mem.to_string(); regions]),
+        dcp_size: 1,
+        pcp_size: 1,
+        ple_block_len: None,
+        region_members: Vec::new(),
+        packed_member_layouts: Default::default(),
+    };
+    HandshakePayload {
+        compatibility_hash: compat.factors.hash(),
+        agent_metadata_bytes: meta.encode(),
+    }
+    .encode()
+}
+
+/// vLLM's name of a block's order: heads then tokens (`LBHNC`) or tokens then heads.
+pub(super) fn layout_name(order: BlockOrder) -> &'static str {
+    match order {
+        BlockOrder::Hnd => "LBHNC",
+        BlockOrder::Nhd => "LBNHC",
+    }
+}
+
+/// A stock prefill's side channel and what this decode rank expects of it.
+pub(super) struct StockPrefill<'a> {
+    pub host: &'a str,
+    pub port: u16,
+    pub engine_id: &'a str,
+    pub tp_size: u32,
+    pub compat: Option<&'a VllmCompat>,
+}
+
+/// Fetches, from the stock prefill's one listener, every prefill rank this decode rank links
+/// with; checks the compatibility hash before reading further, and the engine id. Runs on a
+/// handshake thread.
+pub(super) fn stock_handshake(
+    at: &StockPrefill<'_>,
+    mapping: &TpMapping,
+    my_rank: u32,
+    timeout: Duration,
+    limit: usize,
+) -> Result<Vec<(u32, Fetched)>, String> {
+    let Some(compat) = at.compat else {
+        return Err(format!(
+            "{} is a stock vLLM prefill, and this worker has no vLLM compatibility factors to check its \
+             hash against (kvxfer speaks vLLM's handshake inside vLLM)",
+            at.engine_id
+        ));
+    };
+    let ours = compat.factors.hash();
+    let limit = limit.min(MAX_PAYLOAD_BYTES);
+    let mut ranks: Vec<u32> = mapping
+        .links_for_decode(my_rank)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|l| l.prefill_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut out = Vec::with_capacity(ranks.len());
+    // The clock offset of the quickest round trip (the least uncertain), as vLLM keeps.
+    let mut best: Option<(f64, f64)> = None;
+    for tp_rank in ranks {
+        let request = MetaRequest {
+            pp_rank: 0,
+            tp_rank,
+        };
+        let reply =
+            fetch_vllm(at.host, at.port, request, timeout, limit).map_err(|e| e.to_string())?;
+        if reply.payload.compatibility_hash != ours {
+            let why = compat
+                .factors
+                .explain_mismatch(&reply.payload.compatibility_hash);
+            if compat.enforce_hash {
+                return Err(format!(
+                    "{why}; set enforce_handshake_compat to false to pair anyway"
+                ));
+            }
+            tracing::warn!(engine = at.engine_id, %why, "compatibility hash differs (enforcement off)");
+        }
+        let meta = AgentMetadata::decode(&reply.payload.agent_metadata_bytes, limit)
+            .map_err(|e| e.to_string())?;
+        if meta.engine_id != at.engine_id {
+            return Err(format!(
+                "the prefill at {}:{} is engine {:?}, the request names {:?}",
+                at.host, at.port, meta.engine_id, at.engine_id
+            ));
+        }
+        let sample = (reply.round_trip, reply.remote_clock - reply.local_midpoint);
+        if best.is_none_or(|(rtt, _)| sample.0 < rtt) {
+            best = Some(sample);
+        }
+        out.push((tp_rank, fetched(meta, at.tp_size)?));
+    }
+    for (_, f) in &mut out {
+        f.clock_offset = best.map(|(_, offset)| offset);
+    }
+    Ok(out)
+}
+
+/// A stock rank's metadata in the form the connection is built from: the cache geometry as
+/// a reference peer's [`HandshakeMeta`], and the regions NIXL's blob covers.
+pub(super) fn fetched(m: AgentMetadata, tp_size: u32) -> Result<Fetched, String> {
+    let block_len = m.block_lens[0];
+    if m.block_lens.iter().any(|&l| l != block_len) || m.block_strides != m.block_lens {
+        return Err(format!(
+            "regions of uneven or strided blocks (lengths {:?}, strides {:?}) are not supported",
+            first(&m.block_lens),
+            first(&m.block_strides)
+        ));
+    }
+    if (0..m.kv_caches_base_addr.len()).any(|r| m.region_blocks(r) != m.num_blocks) {
+        return Err("regions with different block counts are not supported".into());
+    }
+    if m.dcp_size != 1 || m.pcp_size != 1 || m.physical_blocks_per_logical_kv_block != 1 {
+        return Err(format!(
+            "dcp_size {}, pcp_size {}, {} kernel blocks per block: kvxfer pulls plain blocks",
+            m.dcp_size, m.pcp_size, m.physical_blocks_per_logical_kv_block
+        ));
+    }
+    let mut regions = Vec::with_capacity(m.kv_caches_base_addr.len());
+    for (r, &base) in m.kv_caches_base_addr.iter().enumerate() {
+        let kind = match m.region_mem_types.as_ref().map(|t| t[r].as_str()) {
+            None | Some("DRAM") => MemoryKind::Host,
+            Some("VRAM") => MemoryKind::Gpu {
+                device: m.device_id,
+            },
+            Some(other) => return Err(format!("region {r}: memory type {other:?}")),
+        };
+        let len = m
+            .region_len(r)
+            .ok_or_else(|| format!("region {r} has no extent"))?;
+        regions.push((kind, AddrRange::new(base, len)));
+    }
+    let native = Native {
+        regions,
+        kv_cache_layout: m.kv_cache_layout,
+        block_size: m.block_size,
+    };
+    Ok(Fetched {
+        meta: HandshakeMeta {
+            engine_id: m.engine_id,
+            agent_metadata: m.agent_metadata,
+            kv_caches_base_addr: m.kv_caches_base_addr,
+            num_blocks: m.num_blocks,
+            tp_size: u64::from(tp_size),
+            block_len,
+            attn_backend_name: m.attn_backend_name,
+            kvxfer_protocol: None,
+            kvxfer_tp_rank: None,
+            kvxfer_layout: None,
+            kvxfer_lease_ms: None,
+            kvxfer_instance: None,
+        },
+        native: Some(native),
+        clock_offset: None,
+    })
+}
+
+/// Seconds before a stock prefill's block expiry a read is declined, as vLLM's decode does:
+/// room for the clock offset's error and the read itself.
+pub(super) const EXPIRY_MARGIN: f64 = 5.0;
+
+/// Why a read of blocks the prefill frees at `expiry` (its clock) must not start now, where
+/// `offset` is its clock minus ours: it could finish after they were freed and reused.
+pub(super) fn expired(expiry: f64, offset: f64, now: f64) -> Option<String> {
+    let deadline = expiry - offset;
+    (now + EXPIRY_MARGIN >= deadline).then(|| {
+        format!(
+            "the prefill frees these blocks in {:.1} s (its clock, offset {offset:+.3} s): too late to read them safely",
+            deadline - now
+        )
+    })
+}
+
+fn first(v: &[u64]) -> &[u64] {
+    &v[..v.len().min(4)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::vllm::CompatFactors;
+    use kvxfer_layout::{CacheKind, CacheParams, CacheSpec, Dtype};
+
+    fn cache(order: BlockOrder) -> KvCache {
+        let spec = CacheSpec::new(CacheParams {
+            kind: CacheKind::PackedKv,
+            order,
+            dtype: Dtype::F32,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            tokens_per_block: 32,
+            num_blocks: 100,
+        })
+        .unwrap();
+        KvCache {
+            spec,
+            bases: vec![0x10_0000, 0x90_0000],
+            memory: MemoryKind::Host,
+            total_kv_heads: 2,
+            total_layers: 2,
+            first_layer: 0,
+            layer_windows: None,
+        }
+    }
+
+    fn compat(names: usize) -> VllmCompat {
+        VllmCompat {
+            factors: CompatFactors {
+                vllm_version: "0.32.0".into(),
+                nixl_connector_version: 14,
+                model: "m".into(),
+                dtype: "torch.float32".into(),
+                num_kv_heads: 2,
+                head_size: 64,
+                num_hidden_layers: 2,
+                attn_backend_name: "CPU_ATTN".into(),
+                cache_dtype: "auto".into(),
+                is_hma_enabled: true,
+                speculative_config: serde_json::Value::Null,
+                transfer_mode: "pull".into(),
+            },
+            enforce_hash: true,
+            region_names: (0..names)
+                .map(|i| format!("model.layers.{i}.self_attn.attn"))
+                .collect(),
+        }
+    }
+
+    /// What we serve is what a vLLM prefill of the same cache serves, and what we read back
+    /// from it is the same cache.
+    #[test]
+    fn the_served_payload_describes_the_cache_as_vllm_does_and_reads_back() {
+        let (c, v) = (cache(BlockOrder::Hnd), compat(2));
+        let config = PullConfig::new("prefill-7", 0, 1);
+        let bytes = stock_payload(&v, &c, &config, b"nixl-blob".to_vec());
+        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
+        assert_eq!(p.compatibility_hash, v.factors.hash());
+        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
+        assert_eq!(m.engine_id, "prefill-7");
+        assert_eq!(m.agent_metadata, b"nixl-blob");
+        assert_eq!(m.kv_caches_base_addr, c.bases);
+        assert_eq!((m.num_blocks, m.block_size, m.device_id), (100, 32, 0));
+        assert_eq!(m.block_lens, vec![32 * 1024; 2]);
+        assert_eq!(m.block_strides, m.block_lens);
+        assert_eq!(m.kv_cache_layout, "LBHNC");
+        assert_eq!(m.attn_backend_name, "CPU_ATTN");
+        assert_eq!(
+            m.region_names.as_ref().unwrap()[1],
+            "model.layers.1.self_attn.attn"
+        );
+        assert_eq!(m.region_mem_types, Some(vec!["DRAM".to_string(); 2]));
+        let f = fetched(m, 1).unwrap();
+        assert_eq!(f.meta.block_len, c.spec.block_len());
+        assert_eq!(f.meta.kv_caches_base_addr, c.bases);
+        let n = f.native.unwrap();
+        assert_eq!(
+            n.regions,
+            vec![
+                (MemoryKind::Host, AddrRange::new(0x10_0000, 100 * 32 * 1024)),
+                (MemoryKind::Host, AddrRange::new(0x90_0000, 100 * 32 * 1024)),
+            ]
+        );
+        assert_eq!((n.kv_cache_layout.as_str(), n.block_size), ("LBHNC", 32));
+        // Names that do not match the regions are left out rather than misattributed; NHD
+        // blocks are named as vLLM names them.
+        let bytes = stock_payload(&compat(1), &cache(BlockOrder::Nhd), &config, vec![1]);
+        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
+        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
+        assert_eq!(
+            (m.region_names, m.kv_cache_layout.as_str()),
+            (None, "LBNHC")
+        );
+    }
+
+    /// vLLM's rule: a read is declined when the deadline, on our clock, is within the margin.
+    #[test]
+    fn reads_too_close_to_the_prefills_expiry_are_declined() {
+        // Their clock runs 100 s ahead of ours: expiry 200 there is 100 here.
+        assert!(expired(200.0, 100.0, 94.0).is_none());
+        assert!(
+            expired(200.0, 100.0, 95.0).is_some(),
+            "exactly at the margin"
+        );
+        assert!(expired(200.0, 100.0, 99.0).unwrap().contains("1.0 s"));
+        assert!(
+            expired(200.0, -100.0, 250.0).is_none(),
+            "their clock behind ours"
+        );
+    }
+
+    #[test]
+    fn stock_geometry_kvxfer_cannot_read_as_is_is_refused() {
+        let base = || {
+            let bytes = stock_payload(
+                &compat(2),
+                &cache(BlockOrder::Hnd),
+                &PullConfig::new("p", 0, 1),
+                vec![1],
+            );
+            let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
+            AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap()
+        };
+        type Change = fn(&mut AgentMetadata);
+        let cases: [(&str, Change); 6] = [
+            ("uneven", |m| m.block_lens[1] = 16),
+            ("strided", |m| m.block_strides = vec![65536; 2]),
+            ("counts", |m| m.region_num_blocks = Some(vec![100, 50])),
+            ("dcp", |m| m.dcp_size = 2),
+            ("kernel blocks", |m| {
+                m.physical_blocks_per_logical_kv_block = 2
+            }),
+            ("memory", |m| {
+                m.region_mem_types = Some(vec!["DRAM".into(), "FILE".into()])
+            }),
+        ];
+        for (what, change) in cases {
+            let mut m = base();
+            change(&mut m);
+            assert!(fetched(m, 1).is_err(), "{what}");
+        }
+        let mut m = base();
+        m.region_mem_types = Some(vec!["VRAM".into(); 2]);
+        m.device_id = 3;
+        let n = fetched(m, 2).unwrap();
+        assert_eq!(n.meta.tp_size, 2);
+        assert_eq!(
+            n.native.unwrap().regions[0].0,
+            MemoryKind::Gpu { device: 3 }
+        );
+    }
+}
