@@ -198,8 +198,13 @@ impl PrefillRoom {
     }
 
     /// Lays out the next chunk of `pages` pages of room `room`: refused unless the room
-    /// waits for input or transfers, or when more pages are given than are left.
+    /// waits for input or transfers, once its last chunk went out (its WRITEs may still be
+    /// in flight: another "last" chunk would write aux and state again), or when more pages
+    /// are given than are left.
     pub fn next_chunk(&self, room: u64, pages: usize) -> Result<Chunk, PushError> {
+        if self.last_sent {
+            return Err(PushError::AllSent(room));
+        }
         if !matches!(
             self.status,
             RoomStatus::WaitingForInput | RoomStatus::Transferring
@@ -460,6 +465,10 @@ mod tests {
         r.chunk_posted(&c, vec![XferId(2), XferId(3)], None);
         r.settle();
         assert_eq!(r.status(), RoomStatus::Transferring, "WRITEs in flight");
+        assert!(
+            matches!(r.next_chunk(7, 0), Err(PushError::AllSent(7))),
+            "a chunk after the last one, while its WRITEs are in flight"
+        );
         let mut x = r.take_xfers();
         assert_eq!(x, [XferId(2), XferId(3)]);
         x.remove(0);

@@ -68,6 +68,9 @@ pub enum PushError {
         /// Its status.
         status: RoomStatus,
     },
+    /// The room's last chunk was already sent.
+    #[error("room {0}: its last chunk was already sent")]
+    AllSent(u64),
     /// More pages than the room holds.
     #[error("room {room}: {given} more pages exceed the {left} left")]
     TooManyPages {
