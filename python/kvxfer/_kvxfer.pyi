@@ -83,7 +83,11 @@ class Agent:
 class PullScheduler:
     def __init__(self, engine_id: str, host: str, port: int, tp_size: int = 1) -> None: ...
     def tokens_to_load(
-        self, params_json: str | None, prompt_len: int, num_computed_tokens: int
+        self,
+        req_id: str,
+        params_json: str | None,
+        prompt_len: int,
+        num_computed_tokens: int,
     ) -> tuple[int, bool]: ...
     def after_alloc(
         self,

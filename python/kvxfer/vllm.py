@@ -201,7 +201,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         try:
             return self._sched().tokens_to_load(
-                json.dumps(params), len(request.prompt_token_ids or []), num_computed_tokens
+                request.request_id,
+                json.dumps(params),
+                len(request.prompt_token_ids or []),
+                num_computed_tokens,
             )
         except kvxfer.KvxferError as e:
             log.warning(
@@ -257,8 +260,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
+        if not params:
             return False, None
+        # Decode side too: a request that ends while waiting for blocks stops its heartbeats.
         delay, out = self._sched().request_finished(
             request.request_id, json.dumps(params), request.status in _HANDED_OFF, block_ids
         )

@@ -68,17 +68,20 @@ impl PullScheduler {
         }
     }
 
-    /// `(tokens, load_async)`: prompt tokens to load from the remote prefill.
-    #[pyo3(signature = (params_json, prompt_len, num_computed_tokens))]
+    /// `(tokens, load_async)`: prompt tokens that request `req_id` loads from the remote
+    /// prefill. From the first call that loads, the workers heartbeat the prefill's lease
+    /// for it until its load starts or `request_finished` names it.
+    #[pyo3(signature = (req_id, params_json, prompt_len, num_computed_tokens))]
     fn tokens_to_load(
-        &self,
+        &mut self,
+        req_id: &str,
         params_json: Option<&str>,
         prompt_len: usize,
         num_computed_tokens: usize,
     ) -> PyResult<(usize, bool)> {
         let p = params(params_json)?;
         self.inner
-            .tokens_to_load(p.as_ref(), prompt_len, num_computed_tokens)
+            .tokens_to_load(req_id, p.as_ref(), prompt_len, num_computed_tokens)
             .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
     }
 
@@ -103,7 +106,9 @@ impl PullScheduler {
         serde_json::to_string(&self.inner.build_step_meta()).unwrap_or_default()
     }
 
-    /// `(delay_free, params_json or None)` for a request finishing on the prefill side.
+    /// `(delay_free, params_json or None)` for a request finishing: on the prefill side, whether
+    /// its blocks wait for a decode and the params to hand it; on the decode side, it stops
+    /// the heartbeats of a request that ended waiting.
     fn request_finished(
         &mut self,
         req_id: &str,

@@ -95,8 +95,8 @@ def test_decode_pulls_the_prefill_blocks(transport: str, kind: str) -> None:
     remote, local = [3, 9], [1, 2]
     _, params = hand_off(p, p_engine, remote)
     dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
-    assert dsched.tokens_to_load(params, 8, 0) == (8, True)
-    assert dsched.tokens_to_load(None, 8, 0) == (0, False)
+    assert dsched.tokens_to_load("d-r1", params, 8, 0) == (8, True)
+    assert dsched.tokens_to_load("d-r2", None, 8, 0) == (0, False)
     # The decode knows the request under its own id; notes to the prefill name the prefill's.
     assert json.loads(params)["remote_request_id"] == "r1"
     updated = dsched.after_alloc("d-r1", params, local, 8)
@@ -235,7 +235,7 @@ def test_bad_scheduler_input_and_step_metadata_raise() -> None:
     s = kvxfer.PullScheduler("S", "127.0.0.1", 5600)
     for junk in ["", "[]", "{", '{"do_remote_prefill": "yes"}', "x" * 100]:
         with pytest.raises(kvxfer.InvalidArgumentError):
-            s.tokens_to_load(junk, 8, 0)
+            s.tokens_to_load("r", junk, 8, 0)
     with pytest.raises(kvxfer.InvalidArgumentError):
         s.after_alloc("r", json.dumps({"do_remote_prefill": True}), [1], 4)  # fields missing
     assert s.request_finished("r", None, True, [1]) == (False, None)

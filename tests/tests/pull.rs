@@ -307,6 +307,77 @@ fn heartbeats_keep_the_lease_while_decode_loads() {
     assert_eq!(pre.poll()[0].sending, vec!["orphan".to_string()]);
 }
 
+/// A request waiting in the decode engine for blocks keeps the prefill's lease from the
+/// engine's first ask (vLLM's decode heartbeats from arrival too), over a connection made
+/// ahead of the load; one that ends waiting stops, and its lease then runs out.
+#[test]
+fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
+    use std::time::Duration;
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let tune = |cfg: &mut PullConfig| {
+        cfg.lease = Duration::from_secs(30);
+        cfg.heartbeat_interval = Duration::from_secs(5);
+    };
+    let mut pre = engine("wait-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    let mut dec = engine("wait-D", &model, 1, false, c, &lb, &tune);
+    let params = pre.finish_prefill("r", &[1]);
+    let orphan = pre.finish_prefill("q", &[3]);
+    for (id, p) in [("r", &params), ("q", &orphan)] {
+        assert_eq!(
+            dec.scheduler.tokens_to_load(id, Some(p), 4, 0),
+            Ok((4, true))
+        );
+    }
+    let meta = dec.scheduler.build_step_meta();
+    assert!(meta.recv.is_empty());
+    for w in &mut dec.workers {
+        w.start_load_kv(&meta);
+    }
+    // The connection is made while the requests wait (real time: a thread handshakes).
+    let mut handshakes = 0;
+    let start = std::time::Instant::now();
+    while handshakes == 0 {
+        dec.poll();
+        handshakes += dec.workers[0].take_metrics().handshakes;
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "no handshake ahead of the load"
+        );
+    }
+    // Two minutes of waiting: heartbeats every 5 s renew both 30 s leases.
+    for _ in 0..24 {
+        manual.advance(Duration::from_secs(5));
+        dec.poll();
+        assert!(
+            pre.poll()[0].sending.is_empty(),
+            "a lease expired while waiting"
+        );
+    }
+    // "r" loads; the prefill frees its blocks on the read note, not by lease.
+    dec.scheduler
+        .request_finished("q", Some(&orphan), false, &[]);
+    let meta = dec.start_load("r", &params, &[2], 4);
+    assert_eq!(meta.unwait, vec!["q".to_string()]);
+    poll_until(&mut [&mut dec], |_, f| !f[0].recving.is_empty());
+    let mut sent = Vec::new();
+    poll_until(&mut [&mut pre], |_, f| {
+        sent.extend(f[0].sending.iter().cloned());
+        !sent.is_empty()
+    });
+    assert_eq!(sent, vec!["r".to_string()]);
+    // "q" ended without loading: no more heartbeats, and its lease runs out 30 s after the
+    // last one, at 120 s.
+    manual.advance(Duration::from_secs(25));
+    dec.poll();
+    assert!(pre.poll()[0].sending.is_empty(), "q's lease expired early");
+    manual.advance(Duration::from_secs(5));
+    dec.poll();
+    assert_eq!(pre.poll()[0].sending, vec!["q".to_string()]);
+    assert_eq!(pre.workers[0].take_metrics().expired_leases, 1, "q's only");
+}
+
 /// Heartbeats go out once per interval, at the interval and after it. The prefill polls
 /// before the decode at each tick, so a heartbeat sent late arrives after the lease ran out:
 /// ticks of 1 s against a 5.5 s lease catch a decode that waits past the interval, ticks of

@@ -46,6 +46,14 @@ pub struct StepMeta {
     pub recv: Vec<RecvRequest>,
     /// Requests whose blocks the prefill now holds for a remote decode (prefill side).
     pub hold: Vec<String>,
+    /// Requests that began waiting for blocks to load into (decode side): the workers
+    /// heartbeat the prefill's lease for them, and handshake ahead, until a load in `recv`
+    /// or `unwait` names them. Block ids are empty: nothing is read yet.
+    #[serde(default)]
+    pub wait: Vec<RecvRequest>,
+    /// Waiting requests that ended without a load (aborted): heartbeats stop.
+    #[serde(default)]
+    pub unwait: Vec<String>,
 }
 
 /// The outcome of a finished request on the prefill side.
@@ -65,6 +73,8 @@ pub struct PullScheduler {
     port: u16,
     pending: StepMeta,
     triggered: HashSet<String>,
+    /// Requests in `pending.wait` of some step and not yet loading or ended.
+    waiting: HashSet<String>,
     tp_size: u32,
 }
 
@@ -77,6 +87,7 @@ impl PullScheduler {
             port,
             pending: StepMeta::default(),
             triggered: HashSet::new(),
+            waiting: HashSet::new(),
             tp_size: 1,
         }
     }
@@ -93,16 +104,30 @@ impl PullScheduler {
     /// included, so prompts shorter than a block load too), else none. Params a load could
     /// not start from are an error here, before the engine waits for a load that
     /// [`PullScheduler::after_alloc`] would refuse.
+    ///
+    /// The engine asks while `req_id` waits for blocks; from the first ask that loads, the
+    /// workers keep the prefill's lease alive (a stock vLLM prefill frees the blocks when
+    /// it runs out, however long the request queued here).
     pub fn tokens_to_load(
-        &self,
+        &mut self,
+        req_id: &str,
         params: Option<&KvTransferParams>,
         prompt_len: usize,
         num_computed_tokens: usize,
     ) -> Result<(usize, bool), WireError> {
         match params {
             Some(p) if p.do_remote_prefill => {
-                usable(p)?;
+                let src = usable(p)?;
                 let count = prompt_len.saturating_sub(num_computed_tokens);
+                if count > 0
+                    && !self.triggered.contains(req_id)
+                    && self.waiting.insert(req_id.into())
+                {
+                    let mut wait = recv_request(req_id, p, src, Vec::new());
+                    wait.remote_block_ids.clear();
+                    wait.remote_expiry = None;
+                    self.pending.wait.push(wait);
+                }
                 Ok((count, count > 0))
             }
             _ => Ok((0, false)),
@@ -123,27 +148,16 @@ impl PullScheduler {
             return Ok(());
         }
         let src = usable(params)?;
-        let protocol = params.peer_protocol();
         let local = if num_external_tokens > 0 {
             uncomputed_blocks.to_vec()
         } else {
             Vec::new()
         };
-        self.pending.recv.push(RecvRequest {
-            req_id: req_id.into(),
-            remote_req_id: params
-                .remote_request_id
-                .clone()
-                .unwrap_or_else(|| req_id.into()),
-            local_block_ids: local,
-            engine_id: src.engine_id.into(),
-            host: src.host.into(),
-            port: src.port,
-            remote_block_ids: src.block_ids.to_vec(),
-            protocol,
-            remote_tp_size: params.tp_size,
-            remote_expiry: params.remote_blocks_expiry_time.clone(),
-        });
+        // The load supersedes the wait: the workers heartbeat it as a load from here.
+        self.waiting.remove(req_id);
+        self.pending
+            .recv
+            .push(recv_request(req_id, params, src, local));
         self.triggered.insert(req_id.into());
         params.do_remote_prefill = false;
         Ok(())
@@ -165,6 +179,9 @@ impl PullScheduler {
         block_ids: &[u32],
     ) -> FinishDecision {
         self.triggered.remove(req_id);
+        if self.waiting.remove(req_id) {
+            self.pending.unwait.push(req_id.into());
+        }
         let wants_remote = params.is_some_and(|p| p.do_remote_decode);
         if !wants_remote || !length_capped {
             return FinishDecision {
@@ -194,6 +211,30 @@ impl PullScheduler {
                 kvxfer_protocol: Some(PROTOCOL_VERSION),
             }),
         }
+    }
+}
+
+/// The load of `req_id` into `local` that `params` (whose source is `src`) describe.
+fn recv_request(
+    req_id: &str,
+    params: &KvTransferParams,
+    src: crate::wire::params::RemoteSource<'_>,
+    local: Vec<u32>,
+) -> RecvRequest {
+    RecvRequest {
+        req_id: req_id.into(),
+        remote_req_id: params
+            .remote_request_id
+            .clone()
+            .unwrap_or_else(|| req_id.into()),
+        local_block_ids: local,
+        engine_id: src.engine_id.into(),
+        host: src.host.into(),
+        port: src.port,
+        remote_block_ids: src.block_ids.to_vec(),
+        protocol: params.peer_protocol(),
+        remote_tp_size: params.tp_size,
+        remote_expiry: params.remote_blocks_expiry_time.clone(),
     }
 }
 
@@ -250,7 +291,7 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
         // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
-        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), Ok((40, true)));
+        assert_eq!(s.tokens_to_load("r1", Some(&p), 40, 0), Ok((40, true)));
         s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
         let meta = s.build_step_meta();
         assert_eq!(meta.recv.len(), 1);
@@ -266,13 +307,13 @@ mod tests {
     /// load, so it never waits for a load that is not coming.
     #[test]
     fn unusable_params_are_refused_before_the_engine_waits() {
-        let s = PullScheduler::new("D", "h", 1);
-        let stock = |f: fn(&mut KvTransferParams)| {
+        let mut s = PullScheduler::new("D", "h", 1);
+        let mut stock = |f: fn(&mut KvTransferParams)| {
             let mut p = remote(&[3]);
             p.transfer_mode = Some("pull".into());
             p.tp_size = Some(1);
             f(&mut p);
-            s.tokens_to_load(Some(&p), 40, 0)
+            s.tokens_to_load("r", Some(&p), 40, 0)
         };
         assert_eq!(stock(|_| {}), Ok((40, true)));
         assert!(stock(|p| p.transfer_mode = Some("push".into())).is_err());
@@ -284,15 +325,57 @@ mod tests {
         let mut k = remote(&[3]);
         k.transfer_mode = Some("pull".into());
         k.kvxfer_protocol = Some(2);
-        assert_eq!(s.tokens_to_load(Some(&k), 40, 0), Ok((40, true)));
+        assert_eq!(s.tokens_to_load("k", Some(&k), 40, 0), Ok((40, true)));
+    }
+
+    /// A request waits for blocks from the engine's first ask: the workers heartbeat it
+    /// from then until its load starts, or until it ends without one.
+    #[test]
+    fn a_waiting_request_is_announced_once_and_ends_with_its_load_or_its_end() {
+        let mut s = PullScheduler::new("D", "h", 1);
+        let mut p = remote(&[7, 8]);
+        p.remote_request_id = Some("P-r".into());
+        s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
+        s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
+        s.tokens_to_load("full-hit", Some(&p), 20, 20).unwrap();
+        let meta = s.build_step_meta();
+        assert!(meta.recv.is_empty());
+        let [wait] = meta.wait.as_slice() else {
+            panic!("one wait expected: {:?}", meta.wait)
+        };
+        assert_eq!(
+            (wait.req_id.as_str(), wait.remote_req_id.as_str()),
+            ("r", "P-r")
+        );
+        assert_eq!((wait.engine_id.as_str(), wait.port), ("P", 5600));
+        assert!(wait.remote_block_ids.is_empty() && wait.local_block_ids.is_empty());
+        // Loading ends the wait without an unwait; asking again after that is no new wait.
+        s.after_alloc("r", &mut p.clone(), &[1, 2], 20).unwrap();
+        s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
+        let meta = s.build_step_meta();
+        assert_eq!((meta.recv.len(), meta.wait.len()), (1, 0));
+        s.request_finished("r", Some(&p), false, &[1, 2]);
+        assert!(s.build_step_meta().unwait.is_empty());
+        // Ending while waiting stops the heartbeats, once.
+        s.tokens_to_load("q", Some(&p), 20, 0).unwrap();
+        s.request_finished("q", Some(&p), false, &[]);
+        s.request_finished("q", Some(&p), false, &[]);
+        let meta = s.build_step_meta();
+        assert_eq!((meta.wait.len(), meta.unwait), (1, vec!["q".to_string()]));
     }
 
     #[test]
     fn prompt_shorter_than_a_block_still_loads() {
-        let s = PullScheduler::new("D", "h", 1);
-        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 0), Ok((5, true)));
-        assert_eq!(s.tokens_to_load(Some(&remote(&[3])), 5, 5), Ok((0, false)));
-        assert_eq!(s.tokens_to_load(None, 50, 0), Ok((0, false)));
+        let mut s = PullScheduler::new("D", "h", 1);
+        assert_eq!(
+            s.tokens_to_load("a", Some(&remote(&[3])), 5, 0),
+            Ok((5, true))
+        );
+        assert_eq!(
+            s.tokens_to_load("b", Some(&remote(&[3])), 5, 5),
+            Ok((0, false))
+        );
+        assert_eq!(s.tokens_to_load("c", None, 50, 0), Ok((0, false)));
     }
 
     /// Parameters that do not ask for a remote prefill (vLLM keeps them on requests that
@@ -302,9 +385,9 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7]);
         p.do_remote_prefill = false;
-        assert_eq!(s.tokens_to_load(Some(&p), 40, 0), Ok((0, false)));
+        assert_eq!(s.tokens_to_load("r", Some(&p), 40, 0), Ok((0, false)));
         s.after_alloc("r", &mut p, &[1], 16).unwrap();
-        assert!(s.build_step_meta().recv.is_empty());
+        assert_eq!(s.build_step_meta(), StepMeta::default());
     }
 
     /// A request triggers one transfer even when the engine hands over a fresh copy of its

@@ -3,6 +3,8 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
+use std::collections::HashMap;
+
 use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
 
 use super::{Engine, FailedLoad, Load, PullWorker};
@@ -274,26 +276,50 @@ impl<T: Transport> PullWorker<T> {
         )
     }
 
+    /// Notes a request waiting for blocks, so that its prefill's lease is heartbeated, and
+    /// handshakes with the prefill ahead of the load, as vLLM's decode does: a heartbeat
+    /// needs the connection, and the load will too.
+    pub(super) fn await_load(&mut self, wait: &RecvRequest) {
+        self.waiting.insert(wait.req_id.clone(), wait.clone());
+        self.drop_if_peer_failed(&wait.engine_id);
+        if !self.engines.contains_key(&wait.engine_id) {
+            self.engines
+                .insert(wait.engine_id.clone(), super::Engine::Handshaking);
+            self.spawn_handshake(wait);
+        }
+    }
+    /// Every heartbeat interval, extends the prefill's lease on the blocks of each request
+    /// loading or waiting to, on each connected rank that keeps leases: a stock vLLM rank
+    /// gets one `HB:` note naming all of them, a kvxfer rank one note each.
     pub(super) fn send_heartbeats(&mut self) {
         let now = self.clock.now();
         if now.saturating_sub(self.last_heartbeat) < self.config.heartbeat_interval {
             return;
         }
         self.last_heartbeat = now;
-        for load in self.loads.values() {
-            let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+        let mut by_engine: HashMap<&str, Vec<&str>> = HashMap::new();
+        let reqs = self.loads.values().map(|l| &l.req);
+        for req in reqs.chain(self.waiting.values()) {
+            by_engine
+                .entry(req.engine_id.as_str())
+                .or_default()
+                .push(req.remote_req_id.as_str());
+        }
+        for (engine_id, ids) in by_engine {
+            let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
                 continue;
             };
             for rank in ranks.values().filter(|r| r.lease_aware) {
-                let id = load.req.remote_req_id.as_str();
-                let note = if rank.stock {
-                    notify::vllm_heartbeat(&[id])
+                let notes = if rank.stock {
+                    vec![notify::vllm_heartbeat(&ids)]
                 } else {
-                    notify::heartbeat(id)
+                    ids.iter().map(|id| notify::heartbeat(id)).collect()
                 };
-                match self.transport.send_notification(rank.peer, &note) {
-                    Ok(()) => self.metrics.heartbeats.tally(1),
-                    Err(_) => self.metrics.failed_notifications.tally(1),
+                for note in notes {
+                    match self.transport.send_notification(rank.peer, &note) {
+                        Ok(()) => self.metrics.heartbeats.tally(1),
+                        Err(_) => self.metrics.failed_notifications.tally(1),
+                    }
                 }
             }
         }

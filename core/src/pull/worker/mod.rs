@@ -157,6 +157,9 @@ pub struct PullWorker<T: Transport> {
     /// The last instance each (engine, rank) named in a handshake.
     instances: HashMap<(String, u32), u64>,
     queued: HashMap<String, Vec<RecvRequest>>,
+    /// Requests waiting in the engine for blocks to load into, by request id: heartbeated
+    /// like loads (see [`StepMeta::wait`]).
+    waiting: HashMap<String, RecvRequest>,
     loads: HashMap<String, Load>,
     orphans: Vec<XferId>,
     holds: Holds,
@@ -241,6 +244,7 @@ impl<T: Transport> PullWorker<T> {
             engines: HashMap::new(),
             instances: HashMap::new(),
             queued: HashMap::new(),
+            waiting: HashMap::new(),
             loads: HashMap::new(),
             orphans: Vec::new(),
             outcomes: unbounded(),
@@ -287,7 +291,14 @@ impl<T: Transport> PullWorker<T> {
             return refused;
         }
         self.start_holds(&meta.hold);
+        for id in &meta.unwait {
+            self.waiting.remove(id);
+        }
+        for wait in &meta.wait {
+            self.await_load(wait);
+        }
         for req in &meta.recv {
+            self.waiting.remove(&req.req_id);
             if self.in_flight(&req.req_id) {
                 self.metrics.refused_loads.tally(1);
                 refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
