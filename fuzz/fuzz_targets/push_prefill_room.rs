@@ -3,9 +3,9 @@
 //! wrong page counts, refused or not), aborts from destinations and from strangers, chunks
 //! of any size, WRITEs that finish or fail, and the bootstrap timeout, in any order.
 //! Checked after every step against a model: a failed room stays failed; chunks are laid out
-//! only while the room takes input, never past its pages, and the last exactly when it
-//! fills them; aborts count only from destinations and hand back every WRITE in flight;
-//! a room takes input as soon as the engine's side and enough destinations are there; it
+//! only while the room takes input, never past its pages nor after the last one (whose
+//! WRITEs may still be in flight), and the last exactly when it fills them; aborts count
+//! only from destinations and hand back every WRITE in flight; a room takes input as soon as the engine's side and enough destinations are there; it
 //! succeeds exactly once the last chunk's WRITEs all finished, or at once for dummy-only
 //! rooms.
 #![no_main]
@@ -104,7 +104,7 @@ fuzz_target!(|data: &[u8]| {
                 let takes = matches!(
                     before,
                     RoomStatus::WaitingForInput | RoomStatus::Transferring
-                );
+                ) && !m.last_sent;
                 match room.next_chunk(1, pages) {
                     Ok(chunk) => {
                         assert!(

@@ -263,9 +263,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not params:
             return False, None
         # Decode side too: a request that ends while waiting for blocks stops its heartbeats.
-        delay, out = self._sched().request_finished(
-            request.request_id, json.dumps(params), request.status in _HANDED_OFF, block_ids
-        )
+        try:
+            delay, out = self._sched().request_finished(
+                request.request_id, json.dumps(params), request.status in _HANDED_OFF, block_ids
+            )
+        except kvxfer.KvxferError as e:
+            # Params kvxfer cannot read (the request then computed locally): nothing to hold,
+            # and an exception here would end the engine.
+            log.warning(
+                "request %s: unusable kv_transfer_params at finish (%s)", request.request_id, e
+            )
+            return False, None
         return delay, (json.loads(out) if out is not None else None)
 
     # ---- worker side (worker process) ----

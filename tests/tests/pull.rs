@@ -367,15 +367,62 @@ fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
         !sent.is_empty()
     });
     assert_eq!(sent, vec!["r".to_string()]);
-    // "q" ended without loading: no more heartbeats, and its lease runs out 30 s after the
-    // last one, at 120 s.
+    // "q" ended without loading and "r" loaded: no more heartbeats, and q's lease runs out
+    // 30 s after the last one, at 120 s.
+    dec.workers[0].take_metrics();
     manual.advance(Duration::from_secs(25));
     dec.poll();
     assert!(pre.poll()[0].sending.is_empty(), "q's lease expired early");
     manual.advance(Duration::from_secs(5));
     dec.poll();
     assert_eq!(pre.poll()[0].sending, vec!["q".to_string()]);
+    assert_eq!(
+        dec.workers[0].take_metrics().heartbeats,
+        0,
+        "for ended waits or loads"
+    );
     assert_eq!(pre.workers[0].take_metrics().expired_leases, 1, "q's only");
+}
+
+/// A request that begins and ends waiting within one engine step (its step metadata names
+/// it in both `wait` and `unwait`) is not heartbeated: its lease runs out.
+#[test]
+fn a_wait_ended_within_its_step_is_not_heartbeated() {
+    use std::time::Duration;
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let tune = |cfg: &mut PullConfig| {
+        cfg.lease = Duration::from_secs(30);
+        cfg.heartbeat_interval = Duration::from_secs(5);
+    };
+    let mut pre = engine("unwait-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    let mut dec = engine("unwait-D", &model, 1, false, c, &lb, &tune);
+    let params = pre.finish_prefill("q", &[1]);
+    dec.scheduler
+        .tokens_to_load("q", Some(&params), 4, 0)
+        .unwrap();
+    dec.scheduler
+        .request_finished("q", Some(&params), false, &[]);
+    let meta = dec.scheduler.build_step_meta();
+    assert_eq!((meta.wait.len(), meta.unwait.len()), (1, 1));
+    dec.workers[0].start_load_kv(&meta);
+    let start = std::time::Instant::now();
+    let mut handshakes = 0;
+    while handshakes == 0 {
+        dec.poll();
+        handshakes += dec.workers[0].take_metrics().handshakes;
+        assert!(start.elapsed().as_secs() < 60, "no handshake");
+    }
+    for _ in 0..5 {
+        manual.advance(Duration::from_secs(5));
+        dec.poll();
+        assert!(pre.poll()[0].sending.is_empty());
+    }
+    manual.advance(Duration::from_secs(5));
+    dec.poll();
+    assert_eq!(pre.poll()[0].sending, vec!["q".to_string()]);
+    assert_eq!(dec.workers[0].take_metrics().heartbeats, 0);
 }
 
 /// Heartbeats go out once per interval, at the interval and after it. The prefill polls

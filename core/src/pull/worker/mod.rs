@@ -291,11 +291,12 @@ impl<T: Transport> PullWorker<T> {
             return refused;
         }
         self.start_holds(&meta.hold);
-        for id in &meta.unwait {
-            self.waiting.remove(id);
-        }
+        // Waits before unwaits: a request may begin and end waiting within one step.
         for wait in &meta.wait {
             self.await_load(wait);
+        }
+        for id in &meta.unwait {
+            self.waiting.remove(id);
         }
         for req in &meta.recv {
             self.waiting.remove(&req.req_id);
