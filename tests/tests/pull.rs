@@ -307,21 +307,55 @@ fn heartbeats_keep_the_lease_while_decode_loads() {
     assert_eq!(pre.poll()[0].sending, vec!["orphan".to_string()]);
 }
 
+/// A prefill and a decode on a manual clock, with 30 s leases and 5 s heartbeats.
+fn lease_pair(
+    name: &str,
+) -> (
+    ManualClock,
+    kvxfer_tests::pull_env::Engine<LoopbackTransport>,
+    kvxfer_tests::pull_env::Engine<LoopbackTransport>,
+) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let tune = |cfg: &mut PullConfig| {
+        cfg.lease = std::time::Duration::from_secs(30);
+        cfg.heartbeat_interval = std::time::Duration::from_secs(5);
+    };
+    let pre = engine(
+        &format!("{name}-P"),
+        &model,
+        1,
+        true,
+        Arc::clone(&c),
+        &lb,
+        &tune,
+    );
+    let dec = engine(&format!("{name}-D"), &model, 1, false, c, &lb, &tune);
+    (manual, pre, dec)
+}
+
+/// Polls `dec` until its rank 0 handshook (real time: a thread handshakes), before any load.
+fn connected_ahead(dec: &mut kvxfer_tests::pull_env::Engine<LoopbackTransport>) {
+    let start = std::time::Instant::now();
+    let mut handshakes = 0;
+    while handshakes == 0 {
+        dec.poll();
+        handshakes += dec.workers[0].take_metrics().handshakes;
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "no handshake ahead of the load"
+        );
+    }
+}
+
 /// A request waiting in the decode engine for blocks keeps the prefill's lease from the
 /// engine's first ask (vLLM's decode heartbeats from arrival too), over a connection made
 /// ahead of the load; one that ends waiting stops, and its lease then runs out.
 #[test]
 fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
     use std::time::Duration;
-    let model = Model::small(BlockOrder::Hnd, 4);
-    let manual = ManualClock::default();
-    let c: Arc<dyn Clock> = Arc::new(manual.clone());
-    let tune = |cfg: &mut PullConfig| {
-        cfg.lease = Duration::from_secs(30);
-        cfg.heartbeat_interval = Duration::from_secs(5);
-    };
-    let mut pre = engine("wait-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
-    let mut dec = engine("wait-D", &model, 1, false, c, &lb, &tune);
+    let (manual, mut pre, mut dec) = lease_pair("wait");
     let params = pre.finish_prefill("r", &[1]);
     let orphan = pre.finish_prefill("q", &[3]);
     for (id, p) in [("r", &params), ("q", &orphan)] {
@@ -336,16 +370,7 @@ fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
         w.start_load_kv(&meta);
     }
     // The connection is made while the requests wait (real time: a thread handshakes).
-    let mut handshakes = 0;
-    let start = std::time::Instant::now();
-    while handshakes == 0 {
-        dec.poll();
-        handshakes += dec.workers[0].take_metrics().handshakes;
-        assert!(
-            start.elapsed().as_secs() < 60,
-            "no handshake ahead of the load"
-        );
-    }
+    connected_ahead(&mut dec);
     // Two minutes of waiting: heartbeats every 5 s renew both 30 s leases.
     for _ in 0..24 {
         manual.advance(Duration::from_secs(5));
@@ -389,15 +414,7 @@ fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
 #[test]
 fn a_wait_ended_within_its_step_is_not_heartbeated() {
     use std::time::Duration;
-    let model = Model::small(BlockOrder::Hnd, 4);
-    let manual = ManualClock::default();
-    let c: Arc<dyn Clock> = Arc::new(manual.clone());
-    let tune = |cfg: &mut PullConfig| {
-        cfg.lease = Duration::from_secs(30);
-        cfg.heartbeat_interval = Duration::from_secs(5);
-    };
-    let mut pre = engine("unwait-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
-    let mut dec = engine("unwait-D", &model, 1, false, c, &lb, &tune);
+    let (manual, mut pre, mut dec) = lease_pair("unwait");
     let params = pre.finish_prefill("q", &[1]);
     dec.scheduler
         .tokens_to_load("q", Some(&params), 4, 0)
@@ -407,13 +424,7 @@ fn a_wait_ended_within_its_step_is_not_heartbeated() {
     let meta = dec.scheduler.build_step_meta();
     assert_eq!((meta.wait.len(), meta.unwait.len()), (1, 1));
     dec.workers[0].start_load_kv(&meta);
-    let start = std::time::Instant::now();
-    let mut handshakes = 0;
-    while handshakes == 0 {
-        dec.poll();
-        handshakes += dec.workers[0].take_metrics().handshakes;
-        assert!(start.elapsed().as_secs() < 60, "no handshake");
-    }
+    connected_ahead(&mut dec);
     for _ in 0..5 {
         manual.advance(Duration::from_secs(5));
         dec.poll();

@@ -425,14 +425,7 @@ fn handshake(
     let remote_tp =
         u32::try_from(first.tp_size).map_err(|_| "remote tp_size exceeds u32".to_string())?;
     let mapping = TpMapping::new(remote_tp, my_tp, sharding).map_err(|e| e.to_string())?;
-    let mut ranks: Vec<u32> = mapping
-        .links_for_decode(my_rank)
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|l| l.prefill_rank)
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
+    let ranks = prefill_ranks(&mapping, my_rank)?;
     let mut metas = Vec::with_capacity(ranks.len());
     for r in ranks {
         if r == 0 {
@@ -448,6 +441,19 @@ fn handshake(
         metas.push((r, kvxfer_peer(meta)));
     }
     Ok((remote_tp, metas))
+}
+
+/// The prefill ranks decode rank `my_rank` links with (data or notification only), in order.
+pub(super) fn prefill_ranks(mapping: &TpMapping, my_rank: u32) -> Result<Vec<u32>, String> {
+    let mut ranks: Vec<u32> = mapping
+        .links_for_decode(my_rank)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|l| l.prefill_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    Ok(ranks)
 }
 
 fn kvxfer_peer(meta: crate::wire::handshake::HandshakeMeta) -> Fetched {

@@ -117,14 +117,7 @@ pub(super) fn stock_handshake(
     };
     let ours = compat.factors.hash();
     let limit = limit.min(MAX_PAYLOAD_BYTES);
-    let mut ranks: Vec<u32> = mapping
-        .links_for_decode(my_rank)
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|l| l.prefill_rank)
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
+    let ranks = super::connect::prefill_ranks(mapping, my_rank)?;
     let mut out = Vec::with_capacity(ranks.len());
     // The clock offset of the quickest round trip (the least uncertain), as vLLM keeps.
     let mut best: Option<(f64, f64)> = None;
