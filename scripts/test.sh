@@ -25,13 +25,18 @@ esac
 
 say() { printf '== %s\n' "$*" >&2; }
 
+# No pip cache: the two torch builds (CUDA wheels from PyPI, several GB with their nvidia-*
+# libraries) would each be kept twice, and a CI machine's disk may be small.
+export PIP_NO_CACHE_DIR=1
+
 # Debian packages, each with the check that shows it is usable. libclang: bindgen for the NIXL
 # and UCX bindings; libucx-dev (>= 1.13): the UCX transport; ucx-utils: ucx_perftest, the UCX
-# benchmark's reference; python3-venv: the NIXL runtime's venv.
+# benchmark's reference; python3-venv: the NIXL runtime's venv; etcd-server: the real etcd
+# (3.4) the discovery tests start.
 missing=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 need_pkg() { have_pkg "$1" || missing+=("$1"); }
-for p in pkg-config gcc libclang-dev libucx-dev ucx-utils python3-venv; do need_pkg "$p"; done
+for p in pkg-config gcc libclang-dev libucx-dev ucx-utils python3-venv etcd-server; do need_pkg "$p"; done
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
         echo "missing Debian packages: ${missing[*]}" >&2
@@ -82,6 +87,12 @@ if $setup_only; then
 fi
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# The discovery tests start this etcd; naming it makes a missing one a failure, not a skip.
+KVXFER_ETCD_BIN=$(command -v etcd)
+export KVXFER_ETCD_BIN
+# KVXFER_TEST_PRUNE=1 (CI): remove each build once no later stage needs it, for small disks.
+prune() { if [ "${KVXFER_TEST_PRUNE:-0}" = 1 ]; then say "pruning $*"; rm -rf "$@"; fi; }
+
 say "cargo test --workspace --all-features"
 cargo test --workspace --all-features
 
@@ -91,6 +102,8 @@ nixl_site=$("$root/.venv-nixl/bin/python" -c 'import site; print(site.getsitepac
 bundled_ucp=$(ls "$nixl_site"/nixl_cu12.libs/libucp-*.so* | head -n 1)
 say "the UCX suite on NIXL's bundled UCX ($bundled_ucp)"
 KVXFER_UCX_LIBRARY="$bundled_ucp" cargo test -p kvxfer-tests --all-features --test ucx
+# The Python and engine tests use the installed wheels; the benchmarks build in release.
+prune "$root/target/debug"
 
 say "Python package: ruff, then pytest"
 "$root/.venv-py/bin/ruff" check python
@@ -106,6 +119,7 @@ say "a real SGLang prefill, decode and router with the kvxfer backend"
 
 say "fuzzing: 10 s per target"
 scripts/fuzz.sh 10
+prune "$root/fuzz/target"
 
 say "benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time)"
 scripts/bench-smoke.sh
