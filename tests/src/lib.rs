@@ -6,6 +6,8 @@
 #![warn(missing_docs)]
 
 pub mod conformance;
+#[cfg(feature = "etcd")]
+pub mod etcd_server;
 pub mod faulty;
 pub mod loopback;
 pub mod memory;
