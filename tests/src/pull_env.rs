@@ -211,10 +211,16 @@ impl RankCache {
     /// Checks this decode cache: each `(src, dst)` block pair holds the prefill's bytes for
     /// every head this rank holds; every other block is untouched.
     pub fn verify(&self, pairs: &[(u32, u32)]) -> Result<(), String> {
+        self.verify_except(pairs, &[])
+    }
+
+    /// [`RankCache::verify`], leaving out the blocks of failed loads (whose content the
+    /// engine was told is invalid: a copy may or may not have landed).
+    pub fn verify_except(&self, pairs: &[(u32, u32)], invalid: &[u32]) -> Result<(), String> {
         let s = self.spec;
         for layer in 0..s.num_layers() {
             for &part in s.parts() {
-                for b in 0..s.num_blocks() {
+                for b in (0..s.num_blocks()).filter(|b| !invalid.contains(b)) {
                     let src = pairs.iter().find(|(_, d)| *d == b).map(|(sb, _)| *sb);
                     for t in 0..s.tokens_per_block() {
                         for h in 0..s.kv_heads() {

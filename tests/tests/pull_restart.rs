@@ -144,3 +144,97 @@ fn a_dead_prefill_fails_every_load_in_flight_at_once() {
     assert_eq!(dec.workers[0].take_metrics().lost_connections, 1);
     faults.release_held();
 }
+
+/// Discovery reports the prefill gone (its keys expired, or a new instance registered)
+/// while two loads from it are in flight and the transport has noticed nothing: both fail
+/// at once with their blocks, their READs released first; the next load handshakes again
+/// and succeeds.
+#[test]
+fn a_prefill_discovery_reports_lost_fails_its_loads_in_flight_at_once() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let tune = |cfg: &mut PullConfig| cfg.transfer_timeout = std::time::Duration::from_secs(3600);
+    let mut pre = engine("rs4-P", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    let mut dec = engine("rs4-D", &model, 1, false, c, &lb, &tune);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    let mut engine_id = String::new();
+    for (id, remote, local) in [("a", [1u32], [2u32]), ("b", [3], [4])] {
+        let params = pre.finish_prefill(id, &remote);
+        engine_id = params
+            .remote_engine_id
+            .clone()
+            .expect("the prefill names itself");
+        dec.start_load(id, &params, &local, 4);
+    }
+    let start = std::time::Instant::now();
+    while dec.workers[0].transport().open_transfers() < 2 {
+        assert!(dec.poll()[0].recving.is_empty());
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "the READs were never posted"
+        );
+    }
+    // An engine this decode never connected to: nothing happens.
+    dec.workers[0].engine_lost("some-other-engine", "deregistered");
+    assert_eq!(dec.workers[0].transport().open_transfers(), 2);
+    dec.workers[0].engine_lost(&engine_id, "rank 0.0.0 deregistered");
+    let f = dec.poll();
+    let mut failed: Vec<(String, Vec<u32>)> = f[0]
+        .failed
+        .iter()
+        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
+        .collect();
+    failed.sort();
+    assert_eq!(
+        failed,
+        vec![("a".to_string(), vec![2]), ("b".to_string(), vec![4])]
+    );
+    assert!(
+        f[0].failed
+            .iter()
+            .all(|l| l.reason.contains("rank 0.0.0 deregistered"))
+    );
+    assert_eq!(dec.workers[0].transport().open_transfers(), 0);
+    assert_eq!(dec.workers[0].take_metrics().lost_connections, 1);
+    faults.hold_completions(false);
+    faults.release_held();
+    let params = pre.finish_prefill("c", &[5]);
+    dec.start_load("c", &params, &[6], 4);
+    poll_until(&mut [&mut dec, &mut pre], |i, f| {
+        assert!(i == 1 || f[0].failed.is_empty(), "c failed: {:?}", f[0]);
+        i == 1 || f[0].recving.iter().any(|r| r == "c")
+    });
+    dec.caches[0]
+        .verify_except(&[(5, 6)], &[2, 4])
+        .expect("bytes of the load");
+    assert_eq!(
+        dec.workers[0].take_metrics().handshakes,
+        1,
+        "a new handshake"
+    );
+}
+
+/// Each worker has its own instance id; ranks of one geometry share a layout digest and
+/// another geometry has another.
+#[test]
+fn workers_name_their_instance_and_layout() {
+    let c = clock();
+    let small = Model::small(BlockOrder::Hnd, 4);
+    let a = engine("id-A", &small, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let b = engine("id-B", &small, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let nhd = engine(
+        "id-C",
+        &Model::small(BlockOrder::Nhd, 4),
+        1,
+        true,
+        c,
+        &lb,
+        &no_tune,
+    );
+    let (a, b, nhd) = (&a.workers[0], &b.workers[0], &nhd.workers[0]);
+    assert_ne!(a.instance(), b.instance());
+    assert_eq!(a.layout_digest(), b.layout_digest());
+    assert_ne!(a.layout_digest(), nhd.layout_digest());
+    assert!(a.layout_digest().starts_with("sha256:") && a.layout_digest().len() == 23);
+}

@@ -173,6 +173,10 @@ pub struct PullWorker<T: Transport> {
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
     indices: (Vec<u32>, Vec<u32>),
+    /// This worker's random instance id, named in its handshakes.
+    instance: u64,
+    /// A digest of this rank's cache layout (see [`PullWorker::layout_digest`]).
+    layout_digest: String,
 }
 
 mod connect;
@@ -212,6 +216,8 @@ impl<T: Transport> PullWorker<T> {
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
             kvxfer_instance: Some(rand::random()),
         };
+        let instance = meta.kvxfer_instance.unwrap_or_default();
+        let layout_digest = digest(&meta);
         let port = if config.side_channel_port == 0 {
             0
         } else {
@@ -257,9 +263,28 @@ impl<T: Transport> PullWorker<T> {
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
             indices: (Vec::new(), Vec::new()),
+            instance,
+            layout_digest,
         };
         worker.serve_stock_decodes();
         Ok(worker)
+    }
+    /// This worker's random instance id: a restarted rank has a new one (discovery records
+    /// it, and handshakes name it).
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+    /// A digest of this rank's cache geometry (`sha256:` and 16 hex digits), equal for ranks
+    /// whose caches a peer would read alike: published by discovery so a peer can tell a
+    /// changed layout without a handshake.
+    pub fn layout_digest(&self) -> &str {
+        &self.layout_digest
+    }
+    /// Discovery says `engine_id` is gone or restarted: its loads in flight fail now, with
+    /// their blocks, instead of at the transfer timeout; its connection is dropped and the
+    /// next load handshakes again. Nothing happens unless it is connected.
+    pub fn engine_lost(&mut self, engine_id: &str, reason: &str) {
+        self.lose_engine(engine_id, reason);
     }
     /// The port this rank's listener is bound to.
     pub fn listener_port(&self) -> Option<u16> {
@@ -428,4 +453,20 @@ fn register_spans<T: Transport>(
         .into_iter()
         .map(|s| t.register(cache.memory, s).map_err(PullError::from))
         .collect()
+}
+
+/// `sha256:` and the first 16 hex digits of the hash of what a peer reads the cache by.
+fn digest(meta: &HandshakeMeta) -> String {
+    use sha2::{Digest, Sha256};
+    let facts = (
+        &meta.kvxfer_layout,
+        meta.block_len,
+        meta.num_blocks,
+        meta.tp_size,
+        &meta.attn_backend_name,
+    );
+    let bytes = rmp_serde::to_vec(&facts).unwrap_or_default();
+    let hash = Sha256::digest(&bytes);
+    let hex: String = hash.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
 }
