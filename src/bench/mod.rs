@@ -4,6 +4,7 @@
 
 mod blocks;
 pub mod chart;
+mod discovery;
 mod fill;
 mod pull;
 mod push;
@@ -18,6 +19,7 @@ use kvxfer_layout::{BlockOrder, LayoutError};
 
 use crate::models::ModelShape;
 use crate::transports::TransportKind;
+pub use discovery::DiscoveryConfig;
 pub use report::BenchReport;
 
 /// Transfer style.
@@ -82,6 +84,8 @@ pub struct BenchConfig {
     /// Pull: a failed request is counted and the run goes on (a prefill that restarts
     /// under the run); without it the first failure ends the run.
     pub keep_going: bool,
+    /// Pull: find the prefill (`bench`) or register it (`serve`) through etcd.
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 /// Why a bench could not run or failed.
@@ -125,7 +129,10 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
             "requests, concurrency, tokens per request and block size must be positive".into(),
         ));
     }
-    if c.connect.is_some() {
+    if let Some(d) = &c.discovery {
+        discovery::check(d, c.mode == Mode::Push, c.connect.is_some())?;
+    }
+    if c.connect.is_some() || c.discovery.is_some() {
         in_process_only(c)?;
     }
     if c.mode == Mode::Push {
@@ -145,6 +152,9 @@ pub fn serve(
 ) -> Result<(), BenchError> {
     crate::transports::availability(c.transport)?;
     in_process_only(c)?;
+    if let Some(d) = &c.discovery {
+        discovery::check(d, c.mode == Mode::Push, false)?;
+    }
     if c.mode == Mode::Push {
         return push::serve(c, host, port, stop);
     }

@@ -11,6 +11,7 @@ use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_layout::{CacheSpec, Side, TpMapping};
 
 use super::blocks::{choose, source_blocks, xorshift};
+use super::discovery::{Resolver, register};
 use super::rank::Rank;
 use super::timing::{finish, memcpy_baseline, ms};
 use super::{BenchConfig, BenchError, BenchReport, fill};
@@ -130,13 +131,21 @@ pub(super) fn run(
         "bench-decode",
         (None, "127.0.0.1"),
     )?;
-    let (host, port) = match (&c.connect, &pre) {
-        (Some((h, p)), _) => (h.clone(), *p),
-        (None, Some(p)) => (
+    // With discovery the prefill's side channel comes from etcd, and again after a restart.
+    let resolver = c.discovery.as_ref().map(Resolver::start).transpose()?;
+    let (mut host, mut port) = match (&c.connect, &pre, &resolver) {
+        (Some((h, p)), _, _) => (h.clone(), *p),
+        (None, Some(p), _) => (
             "127.0.0.1".to_string(),
             p.workers[0].listener_port().unwrap_or(0),
         ),
-        (None, None) => unreachable!("a local prefill exists without --connect"),
+        (None, None, Some(r)) => r.endpoint(ENGINE_WAIT)?,
+        (None, None, None) => unreachable!("a local prefill exists without --connect"),
+    };
+    // A served prefill holds nothing for us: name it and read its blocks directly.
+    let served_id = match &c.discovery {
+        Some(d) => Some(d.engine_id.clone()),
+        None => c.connect.as_ref().map(|_| "served-prefill".to_string()),
     };
     let mut psched = PullScheduler::new("bench-prefill", &host, port);
     let mut dsched = PullScheduler::new("bench-decode", "127.0.0.1", 0);
@@ -149,6 +158,17 @@ pub(super) fn run(
     let mut moved = 0u64;
     let mut next = 0u32;
     while next < total {
+        if let Some(r) = &resolver {
+            lose_engine(r, &mut dec.workers);
+            // Lost, or back under a new instance: the next wave reads from whatever is
+            // registered now (waiting for it while it is away).
+            let now = r.endpoint(ENGINE_WAIT)?;
+            if now != (host.clone(), port) {
+                (host, port) = now;
+                psched = PullScheduler::new("bench-prefill", &host, port);
+            }
+        }
+        let instance = resolver.as_ref().and_then(Resolver::instance);
         let wave: Vec<u32> = (next..total.min(next + c.concurrency)).collect();
         next += wave.len() as u32;
         let mut jobs = Vec::new();
@@ -175,9 +195,8 @@ pub(super) fn run(
             let mut params = decision
                 .params
                 .ok_or_else(|| BenchError::Config("prefill did not hold the request".into()))?;
-            if c.connect.is_some() {
-                // A served prefill holds nothing for us: name it and read its blocks directly.
-                params.remote_engine_id = Some("served-prefill".into());
+            if let Some(id) = &served_id {
+                params.remote_engine_id = Some(id.clone());
             }
             dsched
                 .after_alloc(&id, &mut params, &local, c.tokens_per_request as usize)
@@ -197,6 +216,9 @@ pub(super) fn run(
         let mut finished_at = vec![None; jobs.len()];
         let mut failed_jobs = vec![false; jobs.len()];
         while finished_at.iter().any(Option::is_none) {
+            if let Some(r) = &resolver {
+                lose_engine(r, &mut dec.workers);
+            }
             for (r, w) in dec.workers.iter_mut().enumerate() {
                 let f = w.get_finished();
                 for failed in &f.failed {
@@ -247,6 +269,11 @@ pub(super) fn run(
         report.lost_connections += wave_metrics.lost_connections;
         report.peer_restarts += wave_metrics.peer_restarts;
         report.failed_requests += failed_jobs.iter().filter(|&&f| f).count() as u32;
+        if let (Some(r), Some(d), true) = (&resolver, &c.discovery, failed_jobs.contains(&true)) {
+            // Its keys outlive a dead prefill by at most the lease's TTL (and etcd's expiry
+            // check, 0.5 s): wait that long for discovery to say what happened.
+            r.settle(instance, d.ttl + Duration::from_secs(1));
+        }
         // Verify every byte of every request that succeeded, on every decode rank.
         for ((id, remote, local), _) in jobs.iter().zip(&failed_jobs).filter(|(_, f)| !**f) {
             let pairs: Vec<(u32, u32)> =
@@ -287,6 +314,21 @@ pub(super) fn run(
     Ok(report)
 }
 
+/// How long a bench waits for its prefill engine to be registered (at start, or back after
+/// a restart).
+const ENGINE_WAIT: Duration = Duration::from_secs(60);
+
+/// Fails the loads in flight from the prefill engine when discovery reports it lost.
+fn lose_engine(r: &Resolver, workers: &mut [PullWorker<AnyTransport>]) {
+    for reason in r.lost() {
+        let id = r.engine_id();
+        eprintln!("discovery: prefill engine {id} lost: {reason}");
+        for w in workers.iter_mut() {
+            w.engine_lost(id, &reason);
+        }
+    }
+}
+
 /// Pull mode of `kvxfer serve`: the prefill ranks answer reads until `stop` is set.
 pub(super) fn serve(
     c: &BenchConfig,
@@ -303,9 +345,17 @@ pub(super) fn serve(
         Side::Prefill,
         c.prefill_tp,
         num_blocks,
-        "served-prefill",
+        c.discovery
+            .as_ref()
+            .map_or("served-prefill", |d| d.engine_id.as_str()),
         (Some(port), host),
     )?;
+    // Registered for as long as this serves; dropped (the lease revoked) on the way out.
+    let _registration = c
+        .discovery
+        .as_ref()
+        .map(|d| register(d, &pre.workers, host))
+        .transpose()?;
     println!(
         "serving {} prefill (TP {}) on {host}:{port} over {}; Ctrl-C to stop",
         c.model.name, c.prefill_tp, c.transport

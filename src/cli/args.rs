@@ -67,6 +67,37 @@ impl From<ModeArg> for Mode {
     }
 }
 
+/// Fleet discovery through etcd (`bench` finds its prefill, `serve` registers it).
+#[derive(Args)]
+pub(crate) struct DiscoveryArgs {
+    /// Find (bench) or register (serve) the prefill through etcd at
+    /// etcd://HOST:PORT[,HOST:PORT...] (pull mode; kvxfer built with `--features etcd`).
+    #[arg(long)]
+    pub(crate) discovery: Option<String>,
+    /// With --discovery: the prefill engine's id (serve: its own; bench: the one to read).
+    #[arg(long)]
+    pub(crate) engine_id: Option<String>,
+    /// With --discovery: the fleet's name; engines only see their own cluster.
+    #[arg(long, default_value = "default")]
+    pub(crate) cluster: String,
+    /// With --discovery: seconds a registration outlives a process that died (serve).
+    #[arg(long, default_value_t = 10)]
+    pub(crate) lease_ttl: u64,
+}
+
+impl DiscoveryArgs {
+    /// The bench's discovery settings, if asked for.
+    pub(crate) fn config(self) -> Option<kvxfer::bench::DiscoveryConfig> {
+        let url = self.discovery?;
+        Some(kvxfer::bench::DiscoveryConfig {
+            url,
+            cluster: self.cluster,
+            engine_id: self.engine_id.unwrap_or_default(),
+            ttl: std::time::Duration::from_secs(self.lease_ttl),
+        })
+    }
+}
+
 /// The cache shape every subcommand takes.
 #[derive(Args)]
 pub(crate) struct Shape {
@@ -152,6 +183,8 @@ pub(crate) enum Command {
         /// run); without it the first failure ends the run. Successes are still verified.
         #[arg(long)]
         keep_going: bool,
+        #[command(flatten)]
+        discovery: DiscoveryArgs,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and serves them until Ctrl-C (or `--duration`): answers reads in pull mode,
@@ -196,6 +229,8 @@ pub(crate) enum Command {
         /// Push: seed of the source block choice (as the decode's `--seed`).
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        #[command(flatten)]
+        discovery: DiscoveryArgs,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     #[command(args_override_self = true)]

@@ -33,6 +33,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
             pp,
             contiguous,
             seed,
+            discovery,
         } => {
             if role != "prefill" {
                 eprintln!(
@@ -61,6 +62,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 transfer_timeout: std::time::Duration::from_secs(30),
                 raw_posts: false,
                 keep_going: false,
+                discovery: discovery.config(),
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = std::sync::Arc::clone(&stop);
@@ -107,6 +109,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
             transfer_timeout,
             raw_posts,
             keep_going,
+            discovery,
         } => {
             let config = BenchConfig {
                 model,
@@ -129,6 +132,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
                 raw_posts,
                 keep_going,
+                discovery: discovery.config(),
             };
             match sweep {
                 None => bench(&config, json),
