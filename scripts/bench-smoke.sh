@@ -18,11 +18,12 @@ fi
 run cargo bench -q -p kvxfer-transport-loopback --bench throughput -- \
     --warm-up-time 0.05 --measurement-time 0.1
 # The harness-less benchmarks take their size as the first number on the command line; one
-# feature set for all four so they share one build.
-run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench pull_llama8b -- 2
-run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench soak -- 2000
-run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench ucx_read -- 1
-run cargo bench -q -p kvxfer-tests --features ucx,nixl --bench nixl_post -- 1
+# feature set for all five so they share one build.
+run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench pull_llama8b -- 2
+run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench soak -- 2000
+run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench ucx_read -- 1
+run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench nixl_post -- 1
+run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench discovery_scale -- 80 2
 run cargo run -q --release -- bench --requests 2
 # The real-vLLM benchmark, on the environment the test command set up.
 if [ -x "$root/.venv-vllm/bin/python" ]; then
