@@ -9,6 +9,8 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
 - :class:`PushRegistry`, :class:`PushPrefill` and :class:`PushDecode` — the push connector
   (prefill WRITEs into decode): a prefill instance's bootstrap registry and one rank of each
   side. :mod:`kvxfer.sglang` runs them as SGLang's ``kvxfer`` transfer backend.
+- :class:`Registration` and :class:`FleetWatch` — fleet discovery through etcd: a
+  process's rank registered under its own lease, and a watch of one role's engines.
 - :func:`ucx_version` — the UCX library the ``ucx`` transport uses in this process, and
   :mod:`kvxfer.ucx` to choose it.
 - The exceptions, all subclasses of :class:`KvxferError`.
@@ -17,6 +19,8 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
 from kvxfer._kvxfer import (
     Agent,
     BackendError,
+    DiscoveryError,
+    FleetWatch,
     InvalidArgumentError,
     InvalidMemoryError,
     InvalidMetadataError,
@@ -31,6 +35,7 @@ from kvxfer._kvxfer import (
     PushDecode,
     PushPrefill,
     PushRegistry,
+    Registration,
     ShutDownError,
     SideChannelError,
     TransferFailedError,
@@ -43,6 +48,8 @@ from kvxfer._kvxfer import (
 __all__ = [
     "Agent",
     "BackendError",
+    "DiscoveryError",
+    "FleetWatch",
     "InvalidArgumentError",
     "InvalidMemoryError",
     "InvalidMetadataError",
@@ -57,6 +64,7 @@ __all__ = [
     "PushDecode",
     "PushPrefill",
     "PushRegistry",
+    "Registration",
     "ShutDownError",
     "SideChannelError",
     "TransferFailedError",

@@ -23,7 +23,14 @@ system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`), ``vllm_peers`
 also speak vLLM 0.32.0's NixlConnector handshake, so that stock vLLM engines running
 ``NixlConnector`` pull from this prefill and this decode pulls from them; serving them needs
 ``transport: nixl``), ``enforce_handshake_compat`` (true: refuse stock peers whose
-compatibility hash differs, as vLLM does).
+compatibility hash differs, as vLLM does), ``discovery`` (``etcd://HOST:PORT[,HOST:PORT...]``:
+each worker registers its rank in etcd under its own lease, as ``prefill`` or, for
+``kv_consumer``, ``decode``, with its side channel, instance and layout digest; a decode
+(``kv_consumer`` or ``kv_both``) also watches the prefill engines and fails its loads in flight
+from one whose keys go or whose instance changes, at once instead of at the transfer timeout),
+``cluster`` (``default``: the discovery key prefix), ``lease_ttl`` (10 seconds). vLLM gives
+each data-parallel rank its own engine id (``<engine_id>_dp<rank>``): each registers as its own
+engine.
 ``kv_transfer_config.kv_load_failure_policy`` (``fail`` or ``recompute``) decides what vLLM
 does with a failed load.
 
@@ -178,6 +185,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._hma = not getattr(sched, "disable_hybrid_kv_cache_manager", False)
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
+        self._registration: kvxfer.Registration | None = None
+        self._fleet: kvxfer.FleetWatch | None = None
+        self._kv_role = str(ktc.kv_role)
         self._invalid_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = kvxfer.PullScheduler(
@@ -340,6 +350,45 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             layout["num_blocks"],
             self._worker.listener_port(),
         )
+        if e.get("discovery"):
+            self._discover(str(e["discovery"]), tp_rank)
+
+    def _discover(self, url: str, tp_rank: int) -> None:
+        """Registers this rank in etcd; a decode also watches the prefill engines."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        e = self._extra
+        par = self._vllm_config.parallel_config
+        worker = self._live_worker()
+        cluster = str(e.get("cluster", "default"))
+        role = "decode" if self._kv_role == "kv_consumer" else "prefill"
+        pp_rank = int(get_pp_group().rank_in_group)
+        self._registration = kvxfer.Registration(
+            url,
+            cluster,
+            role,
+            self._engine_id,
+            (0, pp_rank, tp_rank),
+            (1, int(par.pipeline_parallel_size), int(par.tensor_parallel_size)),
+            f"{self._host}:{worker.listener_port()}",
+            worker.instance(),
+            worker.layout_digest(),
+            ttl=float(e.get("lease_ttl", 10.0)),
+        )
+        if self._kv_role in ("kv_consumer", "kv_both"):
+            self._fleet = kvxfer.FleetWatch(url, cluster, "prefill")
+        log.info(
+            "kvxfer: registered in %s as %s %s (cluster %s)", url, role, self._engine_id, cluster
+        )
+
+    def _follow_fleet(self, worker: kvxfer.PullWorker) -> None:
+        """Fails the loads from prefill engines that discovery reports gone or restarted."""
+        if self._fleet is None:
+            return
+        for kind, engine_id, reason in self._fleet.changes():
+            if kind == "lost":
+                log.warning("kvxfer: prefill engine %s lost: %s", engine_id, reason)
+                worker.engine_lost(engine_id, reason)
 
     def _live_worker(self) -> kvxfer.PullWorker:
         assert self._worker is not None, "worker-side call before register_kv_caches"
@@ -372,6 +421,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         # which on a CPU engine takes the cores the transfers run on.
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, KvxferConnectorMetadata) and meta.idle
+        self._follow_fleet(self._worker)
         sending, recving, failed = self._worker.get_finished(self._idle_wait if idle else 0.0)
         for req_id, blocks, reason, _policy in failed:
             log.warning("kvxfer: load of %s failed: %s", req_id, reason)
@@ -414,5 +464,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        for part in (self._fleet, self._registration):
+            if part is not None:
+                part.close()
         if self._worker is not None:
             self._worker.shutdown()

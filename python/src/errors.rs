@@ -97,6 +97,13 @@ create_exception!(
     "The side channel could not start."
 );
 
+create_exception!(
+    _kvxfer,
+    DiscoveryError,
+    KvxferError,
+    "The discovery store (etcd) is unreachable, refused, or answered what it should not."
+);
+
 /// The Python exception for a transport error.
 pub fn transport(e: TransportError) -> PyErr {
     let msg = e.to_string();
@@ -145,5 +152,6 @@ pub fn add_all(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ShutDownError", py.get_type::<ShutDownError>())?;
     m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("SideChannelError", py.get_type::<SideChannelError>())?;
+    m.add("DiscoveryError", py.get_type::<DiscoveryError>())?;
     Ok(())
 }

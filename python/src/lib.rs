@@ -6,6 +6,7 @@
 mod agent;
 mod args;
 mod cache;
+mod discovery;
 mod errors;
 mod memory;
 mod pull;
@@ -33,6 +34,8 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<push::PushRegistry>()?;
     m.add_class::<push::PushPrefill>()?;
     m.add_class::<push::PushDecode>()?;
+    m.add_class::<discovery::Registration>()?;
+    m.add_class::<discovery::FleetWatch>()?;
     errors::add_all(m)?;
     Ok(())
 }

@@ -261,6 +261,25 @@ impl PullWorker {
         self.with(py, |w| Ok(w.listener_port()))
     }
 
+    /// This worker's random instance id (a restarted rank has a new one).
+    fn instance(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |w| Ok(w.instance()))
+    }
+
+    /// A digest of this rank's cache geometry (`sha256:` and 16 hex digits).
+    fn layout_digest(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |w| Ok(w.layout_digest().to_owned()))
+    }
+
+    /// Discovery reports `engine_id` gone or restarted: its loads in flight fail now (they
+    /// come out of `get_finished`), its connection is dropped, the next load handshakes.
+    fn engine_lost(&self, py: Python<'_>, engine_id: &str, reason: &str) -> PyResult<()> {
+        self.with(py, |w| {
+            w.engine_lost(engine_id, reason);
+            Ok(())
+        })
+    }
+
     /// Starts the step's loads and holds (`meta_json` from `PullScheduler.build_step_meta`);
     /// never blocks on a peer. Returns why any load was refused (a load of the same request
     /// already in flight): the others start regardless.
