@@ -30,7 +30,9 @@ fn role(s: &str) -> PyResult<Role> {
 }
 
 fn client(url: &str) -> PyResult<Arc<EtcdClient>> {
-    Ok(Arc::new(EtcdClient::new(url, CALL_TIMEOUT).map_err(discovery)?))
+    Ok(Arc::new(
+        EtcdClient::new(url, CALL_TIMEOUT).map_err(discovery)?,
+    ))
 }
 
 /// One process's rank, registered under its own lease until `close()` (or the process's end,

@@ -729,6 +729,45 @@ fn dropping_a_worker_ends_its_handshake_threads() {
     );
 }
 
+/// Discovery reports an engine lost while a load waits for its handshake (the prefill
+/// accepted the connection and never answers): the load fails at once with its blocks, not at
+/// the handshake timeout; a load of another engine is untouched.
+#[test]
+fn a_load_waiting_for_a_lost_engines_handshake_fails_at_once() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+    let port = silent.local_addr().expect("addr").port();
+    let model = Model::small(BlockOrder::Hnd, 4);
+    // The first poll after the loss reports it, long before this timeout (which bounds the
+    // handshake threads the worker's drop joins).
+    let tune = |c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_secs(3);
+    let mut dec = engine("lostq-D", &model, 1, false, clock(), &lb, &tune);
+    dec.start_load("r", &pull_block_1("silentq", port), &[5], 4);
+    dec.start_load("s", &pull_block_1("silentq", port), &[6], 4);
+    dec.start_load("other", &pull_block_1("silentother", port), &[7], 4);
+    assert!(dec.poll()[0].failed.is_empty());
+    dec.workers[0].engine_lost("silentq", "rank 0.0.0 deregistered");
+    let f = dec.poll();
+    let mut failed: Vec<(String, Vec<u32>)> = f[0]
+        .failed
+        .iter()
+        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
+        .collect();
+    failed.sort();
+    assert_eq!(
+        failed,
+        [("r".to_string(), vec![5]), ("s".to_string(), vec![6])]
+    );
+    assert!(
+        f[0].failed[0]
+            .reason
+            .contains("prefill engine silentq lost: rank 0.0.0 deregistered")
+    );
+    assert!(
+        dec.poll()[0].failed.is_empty(),
+        "the other engine's load still waits"
+    );
+}
+
 /// An engine id with a NUL in it (it comes from the request's parameters) fails its load
 /// like any unreachable prefill; it does not panic the handshake thread's spawn.
 #[test]

@@ -281,10 +281,15 @@ impl<T: Transport> PullWorker<T> {
         &self.layout_digest
     }
     /// Discovery says `engine_id` is gone or restarted: its loads in flight fail now, with
-    /// their blocks, instead of at the transfer timeout; its connection is dropped and the
-    /// next load handshakes again. Nothing happens unless it is connected.
+    /// their blocks, instead of at the transfer timeout, and so do its loads queued behind a
+    /// handshake still in flight (instead of at the handshake timeout); its connection is
+    /// dropped and the next load handshakes again. An engine it never heard of is no-op.
     pub fn engine_lost(&mut self, engine_id: &str, reason: &str) {
         self.lose_engine(engine_id, reason);
+        // The handshake itself runs on: its outcome serves the loads queued after this.
+        for req in self.queued.remove(engine_id).unwrap_or_default() {
+            self.fail(req, format!("prefill engine {engine_id} lost: {reason}"));
+        }
     }
     /// The port this rank's listener is bound to.
     pub fn listener_port(&self) -> Option<u16> {
