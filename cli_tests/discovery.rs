@@ -208,3 +208,43 @@ fn a_killed_prefill_is_dropped_within_its_ttl_and_its_restart_elsewhere_is_read(
         }
     });
 }
+
+#[test]
+fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
+    if !runnable("ucx", "etcd unreachable") {
+        return;
+    }
+    let dead = format!("etcd://127.0.0.1:{}", free_port());
+    for args in [
+        vec!["serve", "--port", &free_port(), "--duration", "5"],
+        vec!["bench", "--requests", "1"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+            .args(&args)
+            .args(["--transport", "ucx", "--discovery", &dead, "--engine-id", "p"])
+            .args(SHAPE)
+            .output()
+            .expect("run kvxfer");
+        let err = plain(&String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("etcd unreachable at 127.0.0.1:"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn etcd_stopped_mid_run_stops_no_transfer_and_the_registration_recovers() {
+    with_etcd_and_ucx("etcd stopped mid-run", |etcd| {
+        let _p = serve(etcd, "p", "3");
+        let (b, lines) = bench(etcd, "p", "300");
+        let mut seen = Vec::new();
+        wait_for(&lines, "connected to prefill engine", &mut seen);
+        etcd.kill();
+        let log = finish(b, lines, seen);
+        assert!(!log.contains("failed on decode rank"), "a request failed:\n{log}");
+        assert!(log.contains("all correct"), "{log}");
+        // etcd back with its data: the serve's lease is renewed, its key still there.
+        etcd.restart(true);
+        std::thread::sleep(Duration::from_secs(4));
+        assert_eq!(keys(etcd, "p"), 1);
+    });
+}
