@@ -221,13 +221,23 @@ fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
             .args(&args)
-            .args(["--transport", "ucx", "--discovery", &dead, "--engine-id", "p"])
+            .args([
+                "--transport",
+                "ucx",
+                "--discovery",
+                &dead,
+                "--engine-id",
+                "p",
+            ])
             .args(SHAPE)
             .output()
             .expect("run kvxfer");
         let err = plain(&String::from_utf8_lossy(&out.stderr));
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains("etcd unreachable at 127.0.0.1:"), "{args:?}: {err}");
+        assert!(
+            err.contains("etcd unreachable at 127.0.0.1:"),
+            "{args:?}: {err}"
+        );
     }
 }
 
@@ -240,7 +250,10 @@ fn etcd_stopped_mid_run_stops_no_transfer_and_the_registration_recovers() {
         wait_for(&lines, "connected to prefill engine", &mut seen);
         etcd.kill();
         let log = finish(b, lines, seen);
-        assert!(!log.contains("failed on decode rank"), "a request failed:\n{log}");
+        assert!(
+            !log.contains("failed on decode rank"),
+            "a request failed:\n{log}"
+        );
         assert!(log.contains("all correct"), "{log}");
         // etcd back with its data: the serve's lease is renewed, its key still there.
         etcd.restart(true);
