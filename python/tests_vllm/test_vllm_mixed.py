@@ -28,10 +28,12 @@ from harness import MODEL, Engine, free_port, start
 import kvxfer
 
 STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
-# Longer than a first connection (no heartbeat can go out before it; NIXL's connection check
-# in loading a stock peer's metadata was seen to take up to 10 s here), short enough that a
-# lease run out shows within the test (one wait, in test_only_the_unread_requests_leases_expire).
-LEASE = 20
+# Longer than the time from a prefill to its decode's first ask (no heartbeat can go before:
+# in one CI run the test's own calls in between took 20 s on a loaded machine) plus a first
+# connection (NIXL's connection check in loading a stock peer's metadata was seen to take up
+# to 10 s here), short enough that a lease run out shows within the test (one wait, in
+# test_only_the_unread_requests_leases_expire).
+LEASE = 30
 # The kvxfer engine's bound on a READ; the restart test's first request must end within it.
 TRANSFER_TIMEOUT = 10
 
@@ -87,11 +89,13 @@ def _expired(stock: Engine, ours: Engine) -> tuple[float, float]:
 def test_a_kvxfer_decode_pulls_from_a_stock_prefill(mixed: tuple[Engine, Engine]) -> None:
     stock, ours = mixed
     x = prompt(41, 100)
+    # The decode's state first: between the prefill and the decode only the prefill's hashes
+    # are taken, so its lease is not spent on the test's own calls.
+    before = ours.call({"op": "kv_hashes"})
+    external = ours.call({"op": "external_tokens"})
     (params,) = prefill(stock, [x])
     assert "kvxfer_protocol" not in params and params["transfer_mode"] == "pull", params
     p_blocks = stock.call({"op": "kv_hashes"})
-    before = ours.call({"op": "kv_hashes"})
-    external = ours.call({"op": "external_tokens"})
     (remote,) = decode(ours, [x], [params])
     assert ours.call({"op": "external_tokens"}) - external == len(x)
     after = ours.call({"op": "kv_hashes"})
@@ -105,11 +109,11 @@ def test_a_kvxfer_decode_pulls_from_a_stock_prefill(mixed: tuple[Engine, Engine]
 def test_a_stock_decode_pulls_from_a_kvxfer_prefill(mixed: tuple[Engine, Engine]) -> None:
     stock, ours = mixed
     x = prompt(42, 100)
+    before = stock.call({"op": "kv_hashes"})
+    external = stock.call({"op": "external_tokens"})
     (params,) = prefill(ours, [x])
     assert params["kvxfer_protocol"] and params["transfer_mode"] == "pull", params
     p_blocks = ours.call({"op": "kv_hashes"})
-    before = stock.call({"op": "kv_hashes"})
-    external = stock.call({"op": "external_tokens"})
     (remote,) = decode(stock, [x], [params])
     assert stock.call({"op": "external_tokens"}) - external == len(x)
     after = stock.call({"op": "kv_hashes"})
