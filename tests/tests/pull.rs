@@ -436,6 +436,81 @@ fn a_wait_ended_within_its_step_is_not_heartbeated() {
     assert_eq!(dec.workers[0].take_metrics().heartbeats, 0);
 }
 
+/// The first heartbeat goes as the connection to the prefill is made, not up to an interval
+/// later: the time a request waited for the connection is already spent from its lease. The
+/// decode connects at 4 s, before its first 5 s interval; only that heartbeat can keep the
+/// prefill's lease (30 s from the prefill's end) past 30 s.
+#[test]
+fn the_first_heartbeat_goes_as_the_connection_is_made() {
+    use std::time::Duration;
+    let (manual, mut pre, mut dec) = lease_pair("first-hb");
+    let params = pre.finish_prefill("r", &[1]);
+    manual.advance(Duration::from_secs(4));
+    dec.scheduler
+        .tokens_to_load("r", Some(&params), 4, 0)
+        .unwrap();
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    let start = std::time::Instant::now();
+    let (mut handshakes, mut heartbeats) = (0, 0);
+    while handshakes == 0 {
+        dec.poll();
+        let m = dec.workers[0].take_metrics();
+        (handshakes, heartbeats) = (handshakes + m.handshakes, heartbeats + m.heartbeats);
+        assert!(start.elapsed().as_secs() < 60, "no handshake");
+    }
+    assert_eq!(heartbeats, 1, "one heartbeat, as the connection was made");
+    assert!(pre.poll()[0].sending.is_empty()); // takes the note at 4 s
+    manual.advance(Duration::from_secs(26));
+    assert!(
+        pre.poll()[0].sending.is_empty(),
+        "the lease ran out 30 s after the prefill: no heartbeat at the connection"
+    );
+    manual.advance(Duration::from_secs(4));
+    assert_eq!(
+        pre.poll()[0].sending,
+        vec!["r".to_string()],
+        "34 s: 30 s after it"
+    );
+}
+
+/// A request that starts waiting on a prefill already connected is heartbeated at once, not
+/// at the decode's next interval: "r" asks at 4 s and the decode is not polled again, so
+/// only that heartbeat keeps r's lease past 30 s, while "a" (heartbeated as the connection
+/// was made, at 0 s, then no longer waiting) runs out at 30 s.
+#[test]
+fn a_request_waiting_on_a_connected_prefill_is_heartbeated_on_arrival() {
+    use std::time::Duration;
+    let (manual, mut pre, mut dec) = lease_pair("arrival-hb");
+    let a = pre.finish_prefill("a", &[1]);
+    let r = pre.finish_prefill("r", &[3]);
+    dec.scheduler.tokens_to_load("a", Some(&a), 4, 0).unwrap();
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    connected_ahead(&mut dec);
+    assert!(pre.poll()[0].sending.is_empty()); // takes a's heartbeat at 0 s
+    dec.scheduler.request_finished("a", Some(&a), false, &[]);
+    manual.advance(Duration::from_secs(4));
+    dec.scheduler.tokens_to_load("r", Some(&r), 4, 0).unwrap();
+    let meta = dec.scheduler.build_step_meta();
+    assert_eq!((meta.wait.len(), meta.unwait.len()), (1, 1));
+    dec.workers[0].start_load_kv(&meta);
+    assert_eq!(
+        dec.workers[0].take_metrics().heartbeats,
+        1,
+        "r's, on arrival"
+    );
+    assert!(pre.poll()[0].sending.is_empty()); // takes it at 4 s
+    manual.advance(Duration::from_secs(26));
+    assert_eq!(
+        pre.poll()[0].sending,
+        vec!["a".to_string()],
+        "30 s: a's lease only"
+    );
+    manual.advance(Duration::from_secs(4));
+    assert_eq!(pre.poll()[0].sending, vec!["r".to_string()], "34 s: r's");
+}
+
 /// Heartbeats go out once per interval, at the interval and after it. The prefill polls
 /// before the decode at each tick, so a heartbeat sent late arrives after the lease ran out:
 /// ticks of 1 s against a 5.5 s lease catch a decode that waits past the interval, ticks of
@@ -480,9 +555,9 @@ fn heartbeats_go_out_at_every_interval_however_the_clock_steps() {
             );
             assert!(dec.poll()[0].recving.is_empty());
         }
-        // And no more than once per interval: at 5, 10, ... 30 s with 1 s ticks, at every
-        // 7 s tick.
-        let want = if tick == 1000 { 6 } else { 30 };
+        // And no more than once per interval: one as the connection was made, then at 5,
+        // 10, ... 30 s with 1 s ticks, at every 7 s tick.
+        let want = if tick == 1000 { 7 } else { 31 };
         assert_eq!(
             dec.workers[0].take_metrics().heartbeats,
             want,

@@ -113,6 +113,7 @@ impl<T: Transport> PullWorker<T> {
                 for req in queued {
                     self.issue(req);
                 }
+                self.heartbeat(&outcome.engine_id);
             }
             Err(reason) => {
                 self.metrics.failed_handshakes.tally(1);

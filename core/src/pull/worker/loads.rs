@@ -3,8 +3,6 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use std::collections::HashMap;
-
 use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
 
 use super::{Engine, FailedLoad, Load, PullWorker};
@@ -278,48 +276,76 @@ impl<T: Transport> PullWorker<T> {
 
     /// Notes a request waiting for blocks, so that its prefill's lease is heartbeated, and
     /// handshakes with the prefill ahead of the load, as vLLM's decode does: a heartbeat
-    /// needs the connection, and the load will too.
+    /// needs the connection, and the load will too. Where connected, the first heartbeat goes
+    /// at once: the time since the prefill finished is already spent from the lease.
     pub(super) fn await_load(&mut self, wait: &RecvRequest) {
         self.waiting.insert(wait.req_id.clone(), wait.clone());
         self.drop_if_peer_failed(&wait.engine_id);
-        if !self.engines.contains_key(&wait.engine_id) {
-            self.engines
-                .insert(wait.engine_id.clone(), super::Engine::Handshaking);
-            self.spawn_handshake(wait);
+        match self.engines.get(&wait.engine_id) {
+            Some(Engine::Ready { .. }) => {
+                self.send_heartbeat(&wait.engine_id, &[wait.remote_req_id.as_str()]);
+            }
+            Some(Engine::Handshaking) => {}
+            None => {
+                self.engines
+                    .insert(wait.engine_id.clone(), Engine::Handshaking);
+                self.spawn_handshake(wait);
+            }
         }
     }
     /// Every heartbeat interval, extends the prefill's lease on the blocks of each request
-    /// loading or waiting to, on each connected rank that keeps leases: a stock vLLM rank
-    /// gets one `HB:` note naming all of them, a kvxfer rank one note each.
+    /// loading or waiting to, on each connected rank that keeps leases.
     pub(super) fn send_heartbeats(&mut self) {
         let now = self.clock.now();
         if now.saturating_sub(self.last_heartbeat) < self.config.heartbeat_interval {
             return;
         }
         self.last_heartbeat = now;
-        let mut by_engine: HashMap<&str, Vec<&str>> = HashMap::new();
-        let reqs = self.loads.values().map(|l| &l.req);
-        for req in reqs.chain(self.waiting.values()) {
-            by_engine
-                .entry(req.engine_id.as_str())
-                .or_default()
-                .push(req.remote_req_id.as_str());
+        let mut engines: Vec<String> = self
+            .loads
+            .values()
+            .map(|l| &l.req)
+            .chain(self.waiting.values())
+            .map(|r| r.engine_id.clone())
+            .collect();
+        engines.sort_unstable();
+        engines.dedup();
+        for engine_id in engines {
+            self.heartbeat(&engine_id);
         }
-        for (engine_id, ids) in by_engine {
-            let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
-                continue;
+    }
+    /// Heartbeats every request loading or waiting to load from `engine_id`, now. Also called
+    /// as the connection is made: the time its requests waited for it is already spent from
+    /// their leases.
+    pub(super) fn heartbeat(&mut self, engine_id: &str) {
+        let reqs = self.loads.values().map(|l| &l.req);
+        let ids: Vec<String> = reqs
+            .chain(self.waiting.values())
+            .filter(|r| r.engine_id == engine_id)
+            .map(|r| r.remote_req_id.clone())
+            .collect();
+        if !ids.is_empty() {
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+            self.send_heartbeat(engine_id, &ids);
+        }
+    }
+    /// Extends the leases of `ids` (the prefill's request ids) on each connected rank of
+    /// `engine_id` that keeps leases: a stock vLLM rank gets one `HB:` note naming all of
+    /// them, a kvxfer rank one note each.
+    fn send_heartbeat(&mut self, engine_id: &str, ids: &[&str]) {
+        let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
+            return;
+        };
+        for rank in ranks.values().filter(|r| r.lease_aware) {
+            let notes = if rank.stock {
+                vec![notify::vllm_heartbeat(ids)]
+            } else {
+                ids.iter().map(|id| notify::heartbeat(id)).collect()
             };
-            for rank in ranks.values().filter(|r| r.lease_aware) {
-                let notes = if rank.stock {
-                    vec![notify::vllm_heartbeat(&ids)]
-                } else {
-                    ids.iter().map(|id| notify::heartbeat(id)).collect()
-                };
-                for note in notes {
-                    match self.transport.send_notification(rank.peer, &note) {
-                        Ok(()) => self.metrics.heartbeats.tally(1),
-                        Err(_) => self.metrics.failed_notifications.tally(1),
-                    }
+            for note in notes {
+                match self.transport.send_notification(rank.peer, &note) {
+                    Ok(()) => self.metrics.heartbeats.tally(1),
+                    Err(_) => self.metrics.failed_notifications.tally(1),
                 }
             }
         }
