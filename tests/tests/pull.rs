@@ -336,17 +336,20 @@ fn lease_pair(
 }
 
 /// Polls `dec` until its rank 0 handshook (real time: a thread handshakes), before any load.
-fn connected_ahead(dec: &mut kvxfer_tests::pull_env::Engine<LoopbackTransport>) {
+/// Returns the heartbeats sent meanwhile.
+fn connected_ahead(dec: &mut kvxfer_tests::pull_env::Engine<LoopbackTransport>) -> u64 {
     let start = std::time::Instant::now();
-    let mut handshakes = 0;
+    let (mut handshakes, mut heartbeats) = (0, 0);
     while handshakes == 0 {
         dec.poll();
-        handshakes += dec.workers[0].take_metrics().handshakes;
+        let m = dec.workers[0].take_metrics();
+        (handshakes, heartbeats) = (handshakes + m.handshakes, heartbeats + m.heartbeats);
         assert!(
             start.elapsed().as_secs() < 60,
             "no handshake ahead of the load"
         );
     }
+    heartbeats
 }
 
 /// A request waiting in the decode engine for blocks keeps the prefill's lease from the
@@ -451,15 +454,11 @@ fn the_first_heartbeat_goes_as_the_connection_is_made() {
         .unwrap();
     let meta = dec.scheduler.build_step_meta();
     dec.workers[0].start_load_kv(&meta);
-    let start = std::time::Instant::now();
-    let (mut handshakes, mut heartbeats) = (0, 0);
-    while handshakes == 0 {
-        dec.poll();
-        let m = dec.workers[0].take_metrics();
-        (handshakes, heartbeats) = (handshakes + m.handshakes, heartbeats + m.heartbeats);
-        assert!(start.elapsed().as_secs() < 60, "no handshake");
-    }
-    assert_eq!(heartbeats, 1, "one heartbeat, as the connection was made");
+    assert_eq!(
+        connected_ahead(&mut dec),
+        1,
+        "one heartbeat, as the connection was made"
+    );
     assert!(pre.poll()[0].sending.is_empty()); // takes the note at 4 s
     manual.advance(Duration::from_secs(26));
     assert!(

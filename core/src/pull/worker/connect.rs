@@ -322,14 +322,7 @@ impl<T: Transport> PullWorker<T> {
     /// Drops the cached connections whose peers the transport knows failed, for engines
     /// this worker is loading from (their loads then fail now instead of at a timeout).
     pub(super) fn check_loading_peers(&mut self) {
-        let mut engines: Vec<String> = self
-            .loads
-            .values()
-            .map(|l| l.req.engine_id.clone())
-            .collect();
-        engines.sort_unstable();
-        engines.dedup();
-        for e in engines {
+        for e in self.engines_of(false) {
             self.drop_if_peer_failed(&e);
         }
     }

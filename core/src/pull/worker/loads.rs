@@ -301,18 +301,23 @@ impl<T: Transport> PullWorker<T> {
             return;
         }
         self.last_heartbeat = now;
+        for engine_id in self.engines_of(true) {
+            self.heartbeat(&engine_id);
+        }
+    }
+    /// The engines that requests load from (and, with `waiting`, wait to), each once.
+    pub(super) fn engines_of(&self, waiting: bool) -> Vec<String> {
+        let waits = self.waiting.values().filter(|_| waiting);
         let mut engines: Vec<String> = self
             .loads
             .values()
             .map(|l| &l.req)
-            .chain(self.waiting.values())
+            .chain(waits)
             .map(|r| r.engine_id.clone())
             .collect();
         engines.sort_unstable();
         engines.dedup();
-        for engine_id in engines {
-            self.heartbeat(&engine_id);
-        }
+        engines
     }
     /// Heartbeats every request loading or waiting to load from `engine_id`, now. Also called
     /// as the connection is made: the time its requests waited for it is already spent from
