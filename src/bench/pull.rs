@@ -109,9 +109,10 @@ pub(super) fn run(
     let per_request = c.tokens_per_request.div_ceil(c.block_size);
     let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
-    // The prefill runs here, or in another process (`kvxfer serve`) reached through `connect`.
-    let mut pre = match &c.connect {
-        None => Some(side(
+    // The prefill runs here, or in another process (`kvxfer serve`) reached through `connect`
+    // or found through discovery.
+    let mut pre = match (&c.connect, &c.discovery) {
+        (None, None) => Some(side(
             c,
             &mapping,
             Side::Prefill,
@@ -120,7 +121,7 @@ pub(super) fn run(
             "bench-prefill",
             (None, "127.0.0.1"),
         )?),
-        Some(_) => None,
+        _ => None,
     };
     let mut dec = side(
         c,
