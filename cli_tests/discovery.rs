@@ -29,11 +29,17 @@ fn free_port() -> String {
 
 /// `kvxfer serve` registered as `engine`, returned once it says it is serving.
 fn serve(etcd: &EtcdServer, engine: &str, ttl: &str) -> Reaped {
+    serve_with(etcd, engine, ttl, &[])
+}
+
+/// [`serve`] with `extra` arguments.
+fn serve_with(etcd: &EtcdServer, engine: &str, ttl: &str, extra: &[&str]) -> Reaped {
     let mut server = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
         .args(["serve", "--transport", "ucx", "--port", &free_port()])
         .args(["--duration", "120", "--discovery", &etcd.url()])
         .args(["--cluster", "t", "--engine-id", engine, "--lease-ttl", ttl])
         .args(SHAPE)
+        .args(extra)
         .stdout(Stdio::piped())
         .spawn()
         .expect("start serve");
@@ -46,12 +52,23 @@ fn serve(etcd: &EtcdServer, engine: &str, ttl: &str) -> Reaped {
 
 /// `kvxfer bench` reading from `engine`, its log lines sent to the returned receiver.
 fn bench(etcd: &EtcdServer, engine: &str, requests: &str) -> (Reaped, mpsc::Receiver<String>) {
+    bench_with(etcd, engine, requests, &[])
+}
+
+/// [`bench`] with `extra` arguments.
+fn bench_with(
+    etcd: &EtcdServer,
+    engine: &str,
+    requests: &str,
+    extra: &[&str],
+) -> (Reaped, mpsc::Receiver<String>) {
     let mut b = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
         .args(["bench", "--transport", "ucx", "--discovery", &etcd.url()])
         .args(["--cluster", "t", "--engine-id", engine])
         .args(["--requests", requests, "--warmup", "0", "--keep-going"])
         .args(["--transfer-timeout", "60", "--lease-ttl", "2"])
         .args(SHAPE)
+        .args(extra)
         .env("RUST_LOG", "kvxfer_core=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -167,6 +184,28 @@ fn two_prefills_and_two_decodes_find_each_other_by_engine_id() {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(pb.0.wait().unwrap().success());
+    });
+}
+
+/// Push mode: a served TP 2 push prefill registers each rank with its push fields, and a push
+/// decode finds it by engine id and runs its rooms (bytes verified), readiness and liveness
+/// from etcd.
+#[test]
+fn a_push_prefill_and_decode_find_each_other_by_engine_id() {
+    with_etcd_and_ucx("push prefill and decode", |etcd| {
+        let push = ["--mode", "push", "--tp", "2:1"];
+        let _p = serve_with(etcd, "pp", "10", &push);
+        assert_eq!(keys(etcd, "pp"), 2, "one key per rank");
+        let c = EtcdClient::new(&etcd.url(), Duration::from_secs(2)).unwrap();
+        let (_, kvs) = c.range_prefix(b"/kvxfer/v1/t/engines/prefill/pp/").unwrap();
+        let record = String::from_utf8_lossy(&kvs[0].value).into_owned();
+        assert!(
+            record.contains(r#""push":{"bootstrap":"127.0.0.1:"#),
+            "{record}"
+        );
+        let (b, lines) = bench_with(etcd, "pp", "4", &push);
+        let log = finish(b, lines, Vec::new());
+        assert!(log.contains("all correct"), "{log}");
     });
 }
 

@@ -19,7 +19,7 @@ pub mod etcd;
 
 pub use key::{RankIndex, RankKey, Role};
 pub use membership::{Change, EngineView, Membership};
-pub use record::{RankRecord, World};
+pub use record::{PushRank, RankRecord, World};
 
 /// The most ranks one engine may declare.
 pub const MAX_RANKS: u32 = 65536;

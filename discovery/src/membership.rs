@@ -124,6 +124,18 @@ impl Membership {
         self.announced.values()
     }
 
+    /// Every engine of `role` with at least one rank registered, whole or not: its id and
+    /// the ranks registered so far.
+    pub fn registered(
+        &self,
+        role: Role,
+    ) -> impl Iterator<Item = (&str, &BTreeMap<RankIndex, RankRecord>)> {
+        self.engines
+            .iter()
+            .filter(move |((r, _), _)| *r == role)
+            .map(|((_, id), ranks)| (id.as_str(), ranks))
+    }
+
     /// Keys or records seen that did not parse (ignored).
     pub fn ignored(&self) -> u64 {
         self.ignored
@@ -225,6 +237,7 @@ mod tests {
                 pp: 1,
                 tp: tp_size,
             },
+            push: None,
         }
         .encode()
     }
@@ -268,6 +281,38 @@ mod tests {
         assert!(m.engine(Role::Decode, "p").is_none());
         // The same record written again changes nothing.
         assert!(m.put(&key("p", 1), &rec(2, 2)).is_empty());
+    }
+
+    #[test]
+    fn registered_lists_partial_engines_of_one_role() {
+        let mut m = Membership::new();
+        m.put(&key("p", 0), &rec(1, 2));
+        let d = RankKey::new(
+            "c",
+            Role::Decode,
+            "d",
+            RankIndex {
+                dp: 0,
+                pp: 0,
+                tp: 0,
+            },
+        );
+        m.put(d.unwrap().to_key().as_bytes(), &rec(2, 1));
+        let listed = |m: &Membership| -> Vec<(String, Vec<u32>)> {
+            m.registered(Role::Prefill)
+                .map(|(id, r)| (id.to_owned(), r.keys().map(|k| k.tp).collect()))
+                .collect()
+        };
+        assert_eq!(listed(&m), vec![("p".to_owned(), vec![0])]);
+        m.put(&key("p", 1), &rec(3, 2));
+        assert_eq!(listed(&m), vec![("p".to_owned(), vec![0, 1])]);
+        m.delete(&key("p", 0));
+        m.delete(&key("p", 1));
+        assert!(
+            listed(&m).is_empty(),
+            "an engine with no rank left is not listed"
+        );
+        assert_eq!(m.registered(Role::Decode).count(), 1);
     }
 
     #[test]

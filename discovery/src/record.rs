@@ -56,6 +56,30 @@ pub struct RankRecord {
     pub layout: String,
     /// The engine's parallel sizes.
     pub world: World,
+    /// Push mode: what a decode needs to send this rank its rooms; absent in pull mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push: Option<PushRank>,
+}
+
+/// A push-mode prefill rank: the rest of what its bootstrap registry would answer. The rank's
+/// mailbox is the record's `endpoint`; its TP and PP rank and sizes are the key's and the
+/// world's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PushRank {
+    /// The prefill engine's bootstrap address, `host:port`: what a decode's requests name it
+    /// by (SGLang's `bootstrap_host` and `bootstrap_port`).
+    pub bootstrap: String,
+    /// The rank's transport agent name.
+    pub agent: String,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// KV dtype name.
+    pub dtype: String,
+    /// First global layer of the rank's pipeline stage.
+    pub first_layer: u32,
+    /// Layers of the stage.
+    pub num_layers: u32,
 }
 
 /// Why a stored record was refused.
@@ -100,6 +124,21 @@ impl RankRecord {
         if self.layout.len() > MAX_FIELD {
             return Err(RecordError::Field("layout"));
         }
+        if let Some(p) = &self.push {
+            let bounded = |f: &str| !f.is_empty() && f.len() <= MAX_FIELD;
+            if !bounded(&p.bootstrap) {
+                return Err(RecordError::Field("push.bootstrap"));
+            }
+            if !bounded(&p.agent) {
+                return Err(RecordError::Field("push.agent"));
+            }
+            if !bounded(&p.dtype) {
+                return Err(RecordError::Field("push.dtype"));
+            }
+            if p.first_layer.checked_add(p.num_layers).is_none() {
+                return Err(RecordError::Field("push.num_layers"));
+            }
+        }
         match self.world.ranks() {
             Some(n) if n > 0 && n <= crate::MAX_RANKS => Ok(()),
             _ => Err(RecordError::Field("world")),
@@ -143,7 +182,60 @@ mod tests {
                 pp: 2,
                 tp: 4,
             },
+            push: None,
         }
+    }
+
+    fn push() -> PushRank {
+        PushRank {
+            bootstrap: "10.0.0.1:8998".into(),
+            agent: "p0".into(),
+            page_size: 16,
+            dtype: "bf16".into(),
+            first_layer: 8,
+            num_layers: 8,
+        }
+    }
+
+    #[test]
+    fn a_push_rank_round_trips_and_its_fields_are_bounded() {
+        let mut r = rec();
+        r.push = Some(push());
+        let bytes = r.encode();
+        assert!(
+            std::str::from_utf8(&bytes).unwrap().ends_with(
+                r#""push":{"bootstrap":"10.0.0.1:8998","agent":"p0","page_size":16,"dtype":"bf16","first_layer":8,"num_layers":8}}"#
+            ),
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
+        assert_eq!(RankRecord::decode(&bytes, R0).unwrap(), r);
+        type Bad = (fn(&mut PushRank), &'static str);
+        let bad: [Bad; 7] = [
+            (|p| p.bootstrap.clear(), "push.bootstrap"),
+            (
+                |p| p.bootstrap = "x".repeat(MAX_FIELD + 1),
+                "push.bootstrap",
+            ),
+            (|p| p.agent.clear(), "push.agent"),
+            (|p| p.agent = "x".repeat(MAX_FIELD + 1), "push.agent"),
+            (|p| p.dtype.clear(), "push.dtype"),
+            (|p| p.dtype = "x".repeat(MAX_FIELD + 1), "push.dtype"),
+            (|p| p.first_layer = u32::MAX, "push.num_layers"),
+        ];
+        for (spoil, field) in bad {
+            let mut p = push();
+            spoil(&mut p);
+            r.push = Some(p);
+            assert_eq!(r.check(), Err(RecordError::Field(field)));
+            assert!(RankRecord::decode(&serde_json::to_vec(&r).unwrap(), R0).is_err());
+        }
+        let mut p = push();
+        (p.first_layer, p.num_layers) = (u32::MAX - 1, 1);
+        r.push = Some(p);
+        assert_eq!(r.check(), Ok(()), "the last layer may be u32::MAX - 1");
+        let unknown = br#"{"instance":"0123456789abcdef","endpoint":"a:1","layout":"","world":{"dp":1,"pp":1,"tp":1},"push":{"bootstrap":"a:1","agent":"p","page_size":1,"dtype":"f","first_layer":0,"num_layers":1,"x":1}}"#;
+        assert!(RankRecord::decode(unknown, R0).is_err());
     }
 
     #[test]

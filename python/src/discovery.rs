@@ -82,6 +82,7 @@ impl Registration {
                 pp: world.1,
                 tp: world.2,
             },
+            push: None,
         };
         record
             .check()

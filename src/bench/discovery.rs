@@ -1,7 +1,9 @@
-//! `--discovery etcd://HOST:PORT --engine-id ID` for `kvxfer serve` and `kvxfer bench` (pull
-//! mode): the served prefill registers its ranks under one lease; the bench's decode resolves
-//! the engine id to rank 0's side channel, waits for it while it is away, and fails the
-//! loads in flight from an instance that discovery reports gone or restarted.
+//! `--discovery etcd://HOST:PORT --engine-id ID` for `kvxfer serve` and `kvxfer bench`: the
+//! served prefill registers its ranks under one lease. In pull mode the bench's decode
+//! resolves the engine id to rank 0's side channel, waits for it while it is away, and fails
+//! the loads in flight from an instance that discovery reports gone or restarted. In push
+//! mode it resolves the engine id to its bootstrap address, and its rooms learn the ranks
+//! ("all registered") and the prefill's liveness from etcd instead of the bootstrap registry.
 
 use std::time::Duration;
 
@@ -31,6 +33,7 @@ mod imp {
 
     use crossbeam_channel::Receiver;
     use kvxfer_core::pull::PullWorker;
+    use kvxfer_core::push::{EtcdDirectory, PushPrefill, push_records};
     use kvxfer_discovery::etcd::{EtcdClient, Registrar, Watcher};
     use kvxfer_discovery::key::role_prefix;
     use kvxfer_discovery::{Change, RankIndex, RankKey, RankRecord, Role, World};
@@ -72,10 +75,32 @@ mod imp {
                 endpoint: format!("{host}:{port}"),
                 layout: w.layout_digest().to_owned(),
                 world: World { dp: 1, pp: 1, tp },
+                push: None,
             };
             ranks.push((key, record));
         }
         Registrar::start(client(d)?, d.ttl, ranks).map_err(discovery_error)
+    }
+
+    /// Registers every push prefill rank (one process: one lease) under the instance id of
+    /// the process's bootstrap registry, named by that registry's address `bootstrap`.
+    pub fn register_push(
+        d: &DiscoveryConfig,
+        workers: &[PushPrefill<AnyTransport>],
+        bootstrap: (&str, u16),
+        instance: u64,
+    ) -> Result<Registrar, BenchError> {
+        let infos: Vec<_> = workers.iter().map(|w| w.rank_info().clone()).collect();
+        let addr = (bootstrap.0.to_owned(), bootstrap.1);
+        let records = push_records(&d.cluster, &d.engine_id, &addr, instance, &infos)
+            .map_err(discovery_error)?;
+        Registrar::start(client(d)?, d.ttl, records).map_err(discovery_error)
+    }
+
+    /// A push decode's directory of the cluster's prefills.
+    pub fn push_directory(d: &DiscoveryConfig) -> Result<Arc<EtcdDirectory>, BenchError> {
+        let dir = EtcdDirectory::start(client(d)?, &d.cluster).map_err(discovery_error)?;
+        Ok(Arc::new(dir))
     }
 
     /// The decode's view of the prefill engine it reads from.
@@ -192,6 +217,48 @@ mod imp {
     }
 
     /// Without the etcd feature: refused.
+    pub fn register_push(
+        _: &DiscoveryConfig,
+        _: &[kvxfer_core::push::PushPrefill<AnyTransport>],
+        _: (&str, u16),
+        _: u64,
+    ) -> Result<Registrar, BenchError> {
+        Err(unsupported())
+    }
+
+    /// Without the etcd feature: refused.
+    pub fn push_directory(_: &DiscoveryConfig) -> Result<std::sync::Arc<Directory>, BenchError> {
+        Err(unsupported())
+    }
+
+    /// Without the etcd feature: never made.
+    #[derive(Debug)]
+    pub struct Directory;
+
+    impl kvxfer_core::push::PrefillDirectory for Directory {
+        fn query(
+            &self,
+            _: &kvxfer_core::push::Addr,
+            _: Duration,
+        ) -> Result<kvxfer_core::push::messages::FromRegistry, String> {
+            Err("never made".into())
+        }
+        fn alive(&self, _: &kvxfer_core::push::Addr, _: Duration) -> bool {
+            false
+        }
+        fn source(&self) -> String {
+            String::new()
+        }
+    }
+
+    impl Directory {
+        /// Never reached.
+        pub fn resolve(&self, _: &str, _: Duration) -> Result<kvxfer_core::push::Addr, String> {
+            Err("never made".into())
+        }
+    }
+
+    /// Without the etcd feature: refused.
     pub struct Resolver;
 
     impl Resolver {
@@ -220,15 +287,10 @@ mod imp {
     }
 }
 
-pub(super) use imp::{Resolver, register};
+pub(super) use imp::{Resolver, push_directory, register, register_push};
 
-/// Refuses what discovery does not cover yet.
-pub(super) fn check(d: &DiscoveryConfig, push: bool, connect: bool) -> Result<(), BenchError> {
-    if push {
-        return Err(BenchError::Config(
-            "--discovery works in pull mode so far (push mode keeps its bootstrap registry)".into(),
-        ));
-    }
+/// Refuses what discovery does not combine with.
+pub(super) fn check(d: &DiscoveryConfig, connect: bool) -> Result<(), BenchError> {
     if connect {
         return Err(BenchError::Config(
             "--discovery and --connect both name the prefill: give one".into(),

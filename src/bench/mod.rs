@@ -130,7 +130,7 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         ));
     }
     if let Some(d) = &c.discovery {
-        discovery::check(d, c.mode == Mode::Push, c.connect.is_some())?;
+        discovery::check(d, c.connect.is_some())?;
     }
     if c.connect.is_some() || c.discovery.is_some() {
         in_process_only(c)?;
@@ -153,7 +153,7 @@ pub fn serve(
     crate::transports::availability(c.transport)?;
     in_process_only(c)?;
     if let Some(d) = &c.discovery {
-        discovery::check(d, c.mode == Mode::Push, false)?;
+        discovery::check(d, false)?;
     }
     if c.mode == Mode::Push {
         return push::serve(c, host, port, stop);

@@ -1,5 +1,6 @@
 //! `kvxfer bench --mode push`: prefill ranks WRITE each request ("room") into the decode
-//! ranks through the bootstrap registry, in chunks, as the SGLang-style connector does.
+//! ranks through the bootstrap registry (or etcd, with `--discovery`), in chunks, as the
+//! SGLang-style connector does.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ use kvxfer_core::push::{
 use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 
 use super::blocks::{choose, source_blocks};
+use super::discovery::{push_directory, register_push};
 use super::rank::Rank;
 use super::timing::{finish, memcpy_baseline, ms};
 use super::{BenchConfig, BenchError, BenchReport, fill};
@@ -19,6 +21,8 @@ use crate::transports::{AnyTransport, open};
 
 /// Pages per chunk (a chunked prefill sends its KV as it computes it).
 const CHUNK_PAGES: usize = 32;
+/// How long a decode waits for a discovered prefill engine to be registered whole.
+const ENGINE_WAIT: Duration = Duration::from_secs(60);
 
 struct Prefill {
     workers: Vec<PushPrefill<AnyTransport>>,
@@ -146,17 +150,19 @@ pub(super) fn run(
     let num_blocks = c.num_blocks.max(per_request.saturating_mul(c.concurrency));
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
-    // The prefill runs here, or in another process (`kvxfer serve --mode push`).
-    let mut pre = match &c.connect {
-        None => Some(prefill_side(
+    // The prefill runs here, or in another process (`kvxfer serve --mode push`) reached
+    // through `connect` or found through discovery.
+    let mut pre = match (&c.connect, &c.discovery) {
+        (None, None) => Some(prefill_side(
             c,
             &mapping,
             num_blocks,
             ("127.0.0.1", 0),
             clock.clone(),
         )?),
-        Some(_) => None,
+        _ => None,
     };
+    let directory = c.discovery.as_ref().map(push_directory).transpose()?;
     let mut dec = Decode {
         workers: Vec::new(),
         ranks: ranks(
@@ -174,25 +180,31 @@ pub(super) fn run(
     for r in 0..c.decode_tp {
         let mut cfg = PushDecodeConfig::new(r, c.decode_tp);
         cfg.request_timeout = Duration::from_secs(5);
+        if let Some(d) = &directory {
+            cfg.directory = d.clone();
+        }
         let bufs = buffers(c, &mut dec.ranks[r as usize]);
         let t = open(c.transport, &format!("bench-push-d{r}"))?;
         dec.workers
             .push(PushDecode::new(t, cfg, bufs, clock.clone()).map_err(BenchError::Config)?);
     }
-    let bootstrap = match (&c.connect, &pre) {
-        (Some((h, p)), _) => (h.clone(), *p),
-        (None, Some(p)) => ("127.0.0.1".to_string(), p.registry.port()),
-        (None, None) => unreachable!("a local prefill exists without --connect"),
+    let bootstrap = match (&c.connect, &pre, &directory, &c.discovery) {
+        (Some((h, p)), ..) => (h.clone(), *p),
+        (None, Some(p), ..) => ("127.0.0.1".to_string(), p.registry.port()),
+        (None, None, Some(dir), Some(d)) => dir
+            .resolve(&d.engine_id, ENGINE_WAIT)
+            .map_err(|e| BenchError::Config(format!("discovery: {e}")))?,
+        _ => unreachable!("a local prefill exists without --connect or --discovery"),
     };
     // Rooms of a served prefill outlive this run: start from a fresh range each time.
-    let room_base = match c.connect {
-        Some(_) => {
+    let room_base = match pre {
+        None => {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_micros() as u64)
                 << 16
         }
-        None => 0,
+        Some(_) => 0,
     };
     let mut state = c.seed | 1;
     let total = c.warmup + c.requests;
@@ -391,6 +403,13 @@ pub(super) fn serve(
     let mapping = TpMapping::new(c.prefill_tp, c.decode_tp, c.model.sharding())?;
     let clock: Arc<dyn kvxfer_core::clock::Clock> = Arc::new(SystemClock::default());
     let mut pre = prefill_side(c, &mapping, num_blocks, (host, port), clock)?;
+    // Registered for as long as this serves; dropped (the lease revoked) on the way out.
+    let bootstrap = (host, pre.registry.port());
+    let _registration = c
+        .discovery
+        .as_ref()
+        .map(|d| register_push(d, &pre.workers, bootstrap, pre.registry.instance()))
+        .transpose()?;
     println!(
         "serving {} prefill (TP {} x PP {}, push) on {host}:{} over {}; Ctrl-C to stop",
         c.model.name,

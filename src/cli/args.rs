@@ -71,7 +71,8 @@ impl From<ModeArg> for Mode {
 #[derive(Args)]
 pub(crate) struct DiscoveryArgs {
     /// Find (bench) or register (serve) the prefill through etcd at
-    /// etcd://HOST:PORT[,HOST:PORT...] (pull mode; kvxfer built with `--features etcd`).
+    /// etcd://HOST:PORT[,HOST:PORT...] (kvxfer built with `--features etcd`; in push mode the
+    /// decode's rooms learn the prefill's ranks and liveness from etcd).
     #[arg(long)]
     pub(crate) discovery: Option<String>,
     /// With --discovery: the prefill engine's id (serve: its own; bench: the one to read).

@@ -28,6 +28,7 @@ fn record(instance: u64, tp: u32, world: u32) -> RankRecord {
             pp: 1,
             tp: world,
         },
+        push: None,
     }
 }
 

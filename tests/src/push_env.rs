@@ -9,8 +9,8 @@ use kvxfer_core::clock::Clock;
 use kvxfer_core::pull::KvCache;
 use kvxfer_core::push::messages::BufferWire;
 use kvxfer_core::push::{
-    BootstrapRegistry, PushBuffers, PushDecode, PushDecodeConfig, PushPrefill, PushPrefillConfig,
-    RoomStatus, StateKind,
+    BootstrapRegistry, PrefillDirectory, PushBuffers, PushDecode, PushDecodeConfig, PushPrefill,
+    PushPrefillConfig, RoomStatus, StateKind,
 };
 use kvxfer_core::{MemoryKind, Transport};
 use kvxfer_layout::{PpSplit, Side, TpMapping};
@@ -133,6 +133,8 @@ pub struct Setup {
     pub decode_config: fn(&mut PushDecodeConfig),
     /// Prefill settings hook.
     pub prefill_config: fn(&mut PushPrefillConfig),
+    /// Where decodes learn prefills' ranks (their bootstrap registries when `None`).
+    pub directory: Option<Arc<dyn PrefillDirectory>>,
 }
 
 impl Setup {
@@ -148,6 +150,7 @@ impl Setup {
             state_kind: StateKind::None,
             decode_config: |_| {},
             prefill_config: |_| {},
+            directory: None,
         }
     }
 }
@@ -285,6 +288,9 @@ pub fn decode_on<F: TransportFactory>(
         .map(|(tp, m)| {
             let mut cfg = PushDecodeConfig::new(tp as u32, s.d);
             cfg.request_timeout = Duration::from_secs(5);
+            if let Some(d) = &s.directory {
+                cfg.directory = Arc::clone(d);
+            }
             (s.decode_config)(&mut cfg);
             let t = f.create(&format!("{name}-d{tp}"));
             PushDecode::new(

@@ -45,6 +45,7 @@ fn ranks(cluster: &str, engine: &str, tp_size: u32, instance: u64) -> Vec<(RankK
                     pp: 1,
                     tp: tp_size,
                 },
+                push: None,
             };
             (k, r)
         })

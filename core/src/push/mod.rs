@@ -5,6 +5,9 @@
 mod buffers;
 mod decode;
 pub mod decode_room;
+mod directory;
+#[cfg(feature = "etcd")]
+mod etcd_directory;
 pub mod messages;
 mod prefill;
 pub mod prefill_room;
@@ -13,6 +16,9 @@ mod status;
 
 pub use buffers::{PushBuffers, StateKind};
 pub use decode::{PushDecode, PushDecodeConfig};
+pub use directory::{Addr, PrefillDirectory, RegistryDirectory};
+#[cfg(feature = "etcd")]
+pub use etcd_directory::{EtcdDirectory, push_records};
 pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig};
 pub use registry::{BootstrapRegistry, ask_registry};
 pub use status::RoomStatus;

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded, unbounded};
 
 use super::client::{EtcdClient, EtcdError, WatchItem};
-use crate::key::Role;
+use crate::key::{RankIndex, Role};
 use crate::membership::{Change, EngineView, Membership};
+use crate::record::RankRecord;
 
 /// How long one read of the stream waits before the thread checks whether to stop.
 const POLL: Duration = Duration::from_millis(100);
@@ -100,6 +101,19 @@ impl Watcher {
     /// Every whole engine.
     pub fn engines(&self) -> Vec<EngineView> {
         self.lock().membership.engines().cloned().collect()
+    }
+
+    /// Every engine of `role` with a rank registered, whole or not, with those ranks.
+    pub fn registered(&self, role: Role) -> Vec<(String, Vec<(RankIndex, RankRecord)>)> {
+        let shared = self.lock();
+        shared
+            .membership
+            .registered(role)
+            .map(|(id, ranks)| {
+                let ranks = ranks.iter().map(|(k, r)| (*k, r.clone())).collect();
+                (id.to_owned(), ranks)
+            })
+            .collect()
     }
 
     /// How the watch is doing.

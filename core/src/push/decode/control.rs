@@ -12,13 +12,11 @@ use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
 use super::PushDecodeConfig;
 use crate::push::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
-    ToPrefill, ToRegistry,
+    ToPrefill,
 };
-use crate::push::registry::ask_registry;
 use crate::sidechannel::request_bytes;
 
-/// A prefill instance's bootstrap address (host, port).
-pub(super) type Addr = (String, u16);
+pub(super) use crate::push::directory::Addr;
 
 /// (TP rank, PP rank) of prefill ranks this decode rank registered with.
 type Registered = HashSet<(u32, u32)>;
@@ -73,15 +71,10 @@ impl Control {
     pub(super) fn run(&self, job: Job) -> Done {
         match job {
             Job::Probe { addr } => {
-                let ok = matches!(
-                    ask_registry(
-                        &addr.0,
-                        addr.1,
-                        &ToRegistry::Health,
-                        self.config.request_timeout
-                    ),
-                    Ok(FromRegistry::Ok)
-                );
+                let ok = self
+                    .config
+                    .directory
+                    .alive(&addr, self.config.request_timeout);
                 Done::Probed { addr, ok }
             }
             Job::Abort { room, ranks } => {
@@ -130,7 +123,7 @@ impl Control {
         let t = self.config.request_timeout;
         let deadline = std::time::Instant::now().checked_add(self.config.bootstrap_timeout);
         let (instance, ranks) = loop {
-            match ask_registry(&addr.0, addr.1, &ToRegistry::Query, t)? {
+            match self.config.directory.query(addr, t)? {
                 FromRegistry::Layout { instance, ranks } => break (instance, ranks),
                 FromRegistry::NotReady { .. }
                     if deadline.is_none_or(|d| std::time::Instant::now() < d) =>
@@ -142,8 +135,12 @@ impl Control {
                     expected,
                 } => {
                     return Err(format!(
-                        "prefill registry not ready: {registered} of {expected} ranks after {:?}",
-                        self.config.bootstrap_timeout
+                        "prefill {}:{} not ready: {registered} of {expected} ranks registered \
+                         after {:?} (asked {})",
+                        addr.0,
+                        addr.1,
+                        self.config.bootstrap_timeout,
+                        self.config.directory.source()
                     ));
                 }
                 other => return Err(format!("unexpected registry reply {other:?}")),

@@ -17,6 +17,7 @@ use kvxfer_layout::HeadSharding;
 
 use super::buffers::PushBuffers;
 use super::decode_room::DecodeRoom;
+use super::directory::{PrefillDirectory, RegistryDirectory};
 use super::messages::{self, PushNote, RegisterArgs, RoomRequest};
 use super::status::RoomStatus;
 use crate::clock::Clock;
@@ -42,6 +43,8 @@ pub struct PushDecodeConfig {
     pub max_heartbeat_failures: u32,
     /// Bound on each side-channel request.
     pub request_timeout: Duration,
+    /// Where prefills' ranks and liveness come from: their bootstrap registries by default.
+    pub directory: Arc<dyn PrefillDirectory>,
 }
 
 impl PushDecodeConfig {
@@ -54,6 +57,7 @@ impl PushDecodeConfig {
             heartbeat_interval: Duration::from_secs(5),
             max_heartbeat_failures: 2,
             request_timeout: Duration::from_secs(2),
+            directory: Arc::new(RegistryDirectory),
         }
     }
 }

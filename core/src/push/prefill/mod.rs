@@ -94,6 +94,7 @@ pub struct PushPrefill<T: Transport> {
     clock: Arc<dyn Clock>,
     _registrations: Vec<Registration>,
     mailbox: MessageServer,
+    info: RankInfo,
     inbox: Receiver<ToPrefill>,
     decodes: HashMap<String, Decode>,
     rooms: HashMap<u64, PrefillRoom>,
@@ -178,7 +179,7 @@ impl<T: Transport> PushPrefill<T> {
         match ask_registry(
             &config.registry.0,
             config.registry.1,
-            &ToRegistry::Register(info),
+            &ToRegistry::Register(info.clone()),
             config.request_timeout,
         ) {
             Ok(FromRegistry::Ok) => {}
@@ -196,6 +197,7 @@ impl<T: Transport> PushPrefill<T> {
             clock,
             _registrations: registrations,
             mailbox,
+            info,
             inbox,
             decodes: HashMap::new(),
             rooms: HashMap::new(),
@@ -209,6 +211,11 @@ impl<T: Transport> PushPrefill<T> {
     /// The mailbox port.
     pub fn port(&self) -> u16 {
         self.mailbox.port()
+    }
+
+    /// What this rank registered with the bootstrap registry (for another directory too).
+    pub fn rank_info(&self) -> &RankInfo {
+        &self.info
     }
 
     /// The transport.

@@ -1,0 +1,199 @@
+//! Push mode's registry through etcd: each prefill rank registers a record (its mailbox as
+//! the endpoint, the engine's bootstrap address and what its registry would answer, under
+//! `push`), and a decode finds the prefill its rooms name by that bootstrap address among
+//! the cluster's prefill engines. "All ranks registered" is the engine being whole in etcd;
+//! "alive" is its ranks' leases holding.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_discovery::etcd::{EtcdClient, EtcdError, Watcher};
+use kvxfer_discovery::key::role_prefix;
+use kvxfer_discovery::{EngineView, PushRank, RankIndex, RankKey, RankRecord, Role, World};
+
+use super::directory::{Addr, PrefillDirectory};
+use super::messages::{FromRegistry, RankInfo};
+
+/// How often [`EtcdDirectory::resolve`] looks again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// A cluster's push prefills as etcd shows them.
+pub struct EtcdDirectory {
+    watcher: Watcher,
+    cluster: String,
+}
+
+impl std::fmt::Debug for EtcdDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdDirectory")
+            .field("cluster", &self.cluster)
+            .finish()
+    }
+}
+
+impl EtcdDirectory {
+    /// Watches `cluster`'s prefill engines (a first read of them before returning).
+    pub fn start(client: Arc<EtcdClient>, cluster: &str) -> Result<EtcdDirectory, EtcdError> {
+        let (watcher, _changes) = Watcher::start(client, role_prefix(cluster, Role::Prefill))?;
+        Ok(EtcdDirectory {
+            watcher,
+            cluster: cluster.to_owned(),
+        })
+    }
+
+    /// The bootstrap address of push prefill `engine_id`, once it is whole, waiting up to
+    /// `wait` for it.
+    pub fn resolve(&self, engine_id: &str, wait: Duration) -> Result<Addr, String> {
+        let deadline = Instant::now().checked_add(wait);
+        loop {
+            let whole = self.watcher.engine(Role::Prefill, engine_id);
+            if let Some((_, rank)) = whole.as_ref().and_then(|v| v.ranks.first()) {
+                return parse_addr(&push_of(rank)?.bootstrap);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(format!(
+                    "prefill engine {engine_id:?} is not registered (all its ranks) in etcd \
+                     cluster {:?} after {wait:?}",
+                    self.cluster
+                ));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// The whole engine whose ranks all name `addr` as their bootstrap address.
+    fn whole(&self, addr: &str) -> Option<EngineView> {
+        self.watcher
+            .engines()
+            .into_iter()
+            .filter(|v| v.role == Role::Prefill)
+            .find(|v| v.ranks.iter().all(|(_, r)| names(r, addr)))
+    }
+}
+
+impl PrefillDirectory for EtcdDirectory {
+    fn query(&self, addr: &Addr, _timeout: Duration) -> Result<FromRegistry, String> {
+        let want = format!("{}:{}", addr.0, addr.1);
+        if let Some(v) = self.whole(&want) {
+            return layout(&v);
+        }
+        // Not whole yet: how far its registration got (the engine with the most ranks
+        // naming this address; none registered reads as 0 of 0).
+        let (registered, expected) = self
+            .watcher
+            .registered(Role::Prefill)
+            .into_iter()
+            .filter_map(|(_, ranks)| {
+                let mine: Vec<_> = ranks.iter().filter(|(_, r)| names(r, &want)).collect();
+                let world = mine.first()?.1.world.ranks()?;
+                Some((u32::try_from(mine.len()).unwrap_or(u32::MAX), world))
+            })
+            .max()
+            .unwrap_or((0, 0));
+        Ok(FromRegistry::NotReady {
+            registered,
+            expected,
+        })
+    }
+    fn alive(&self, addr: &Addr, _timeout: Duration) -> bool {
+        self.whole(&format!("{}:{}", addr.0, addr.1)).is_some()
+    }
+    fn source(&self) -> String {
+        format!("etcd cluster {:?}", self.cluster)
+    }
+}
+
+/// Whether `r` is a push rank of the engine known by bootstrap address `addr`.
+fn names(r: &RankRecord, addr: &str) -> bool {
+    r.push.as_ref().is_some_and(|p| p.bootstrap == addr)
+}
+
+fn push_of(r: &RankRecord) -> Result<&PushRank, String> {
+    r.push
+        .as_ref()
+        .ok_or_else(|| format!("rank at {} registered no push fields", r.endpoint))
+}
+
+fn parse_addr(s: &str) -> Result<Addr, String> {
+    s.rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
+        .ok_or_else(|| format!("a malformed address {s:?} (host:port)"))
+}
+
+/// What the engine's bootstrap registry would answer: every rank, and one instance that
+/// changes when any rank's process restarts.
+fn layout(v: &EngineView) -> Result<FromRegistry, String> {
+    let mut ranks = Vec::with_capacity(v.ranks.len());
+    // FNV-1a over the ranks' instances, in rank order.
+    let mut instance: u64 = 0xcbf2_9ce4_8422_2325;
+    for (index, r) in &v.ranks {
+        let p = push_of(r)?;
+        let (host, port) = parse_addr(&r.endpoint)?;
+        let info = RankInfo {
+            agent: p.agent.clone(),
+            tp_size: v.world.tp,
+            tp_rank: index.tp,
+            pp_size: v.world.pp,
+            pp_rank: index.pp,
+            dp_size: v.world.dp,
+            dp_rank: index.dp,
+            host,
+            port,
+            page_size: p.page_size,
+            dtype: p.dtype.clone(),
+            first_layer: p.first_layer,
+            num_layers: p.num_layers,
+        };
+        info.check()
+            .map_err(|e| format!("etcd record of rank {index}: {e}"))?;
+        instance = (instance ^ r.instance).wrapping_mul(0x0100_0000_01b3);
+        ranks.push(info);
+    }
+    Ok(FromRegistry::Layout { instance, ranks })
+}
+
+/// The records push prefill ranks `ranks` (of one engine, all in this process: one
+/// `instance`) register under `engine_id`, named by bootstrap address `bootstrap`.
+pub fn push_records(
+    cluster: &str,
+    engine_id: &str,
+    bootstrap: &Addr,
+    instance: u64,
+    ranks: &[RankInfo],
+) -> Result<Vec<(RankKey, RankRecord)>, String> {
+    ranks
+        .iter()
+        .map(|info| {
+            info.check()?;
+            let index = RankIndex {
+                dp: info.dp_rank,
+                pp: info.pp_rank,
+                tp: info.tp_rank,
+            };
+            let key = RankKey::new(cluster, Role::Prefill, engine_id, index)
+                .map_err(|e| e.to_string())?;
+            let record = RankRecord {
+                instance,
+                endpoint: format!("{}:{}", info.host, info.port),
+                layout: String::new(),
+                world: World {
+                    dp: info.dp_size,
+                    pp: info.pp_size,
+                    tp: info.tp_size,
+                },
+                push: Some(PushRank {
+                    bootstrap: format!("{}:{}", bootstrap.0, bootstrap.1),
+                    agent: info.agent.clone(),
+                    page_size: info.page_size,
+                    dtype: info.dtype.clone(),
+                    first_layer: info.first_layer,
+                    num_layers: info.num_layers,
+                }),
+            };
+            record.check().map_err(|e| e.to_string())?;
+            Ok((key, record))
+        })
+        .collect()
+}
