@@ -185,6 +185,15 @@ class PushPrefill:
     ) -> None: ...
     @property
     def port(self) -> int: ...
+    def register(
+        self,
+        url: str,
+        cluster: str,
+        engine_id: str,
+        bootstrap: tuple[str, int],
+        instance: int,
+        ttl: float = 10.0,
+    ) -> Registration: ...
     def add_room(
         self,
         room: int,
@@ -220,6 +229,7 @@ class PushDecode:
         heartbeat_interval: float = 5.0,
         max_heartbeat_failures: int = 2,
         request_timeout: float = 2.0,
+        discovery: tuple[str, str] | None = None,
     ) -> None: ...
     def add_room(
         self,

@@ -16,7 +16,7 @@ use crate::errors::{DiscoveryError, InvalidArgumentError, ShutDownError};
 /// How long one etcd call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
-fn discovery(e: EtcdError) -> PyErr {
+pub(crate) fn discovery(e: EtcdError) -> PyErr {
     match e {
         EtcdError::Address(_) => InvalidArgumentError::new_err(e.to_string()),
         e => DiscoveryError::new_err(e.to_string()),
@@ -29,7 +29,7 @@ fn role(s: &str) -> PyResult<Role> {
     })
 }
 
-fn client(url: &str) -> PyResult<Arc<EtcdClient>> {
+pub(crate) fn client(url: &str) -> PyResult<Arc<EtcdClient>> {
     Ok(Arc::new(
         EtcdClient::new(url, CALL_TIMEOUT).map_err(discovery)?,
     ))
@@ -40,6 +40,15 @@ fn client(url: &str) -> PyResult<Arc<EtcdClient>> {
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct Registration {
     inner: Mutex<Option<Registrar>>,
+}
+
+impl Registration {
+    /// Wraps a running registrar.
+    pub(crate) fn from_registrar(r: Registrar) -> Registration {
+        Registration {
+            inner: Mutex::new(Some(r)),
+        }
+    }
 }
 
 #[pymethods]

@@ -230,6 +230,39 @@ impl PushPrefill {
         self.port
     }
 
+    /// Registers this rank in etcd at `url` (`etcd://HOST:PORT[,...]`) as a rank of push
+    /// prefill `engine_id` in `cluster`, named by `bootstrap` (the address decodes' rooms
+    /// give), under this process's `instance`, on a lease of `ttl` seconds; a decode whose
+    /// directory is that etcd then learns the rank from it. Raises `DiscoveryError` when etcd
+    /// is unreachable or refuses.
+    #[pyo3(signature = (url, cluster, engine_id, bootstrap, instance, ttl = 10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &self,
+        py: Python<'_>,
+        url: &str,
+        cluster: &str,
+        engine_id: &str,
+        bootstrap: (String, u16),
+        instance: u64,
+        ttl: f64,
+    ) -> PyResult<crate::discovery::Registration> {
+        if !(ttl.is_finite() && (2.0..=3600.0).contains(&ttl)) {
+            return Err(InvalidArgumentError::new_err("ttl: 2 to 3600 seconds"));
+        }
+        let info = self
+            .inner
+            .with(py, "prefill", |p| Ok(p.rank_info().clone()))?;
+        let records = push::push_records(cluster, engine_id, &bootstrap, instance, &[info])
+            .map_err(InvalidArgumentError::new_err)?;
+        let client = crate::discovery::client(url)?;
+        let ttl = std::time::Duration::from_secs_f64(ttl);
+        let r = py
+            .detach(|| kvxfer_discovery::etcd::Registrar::start(client, ttl, records))
+            .map_err(crate::discovery::discovery)?;
+        Ok(crate::discovery::Registration::from_registrar(r))
+    }
+
     /// Adds a room this rank sends `total_pages` pages of, with the engine's `aux_index` and
     /// `state_indices` (sent with the last chunk).
     #[pyo3(signature = (room, total_pages, aux_index = None, state_indices = Vec::new()))]
@@ -347,13 +380,16 @@ pub struct PushDecode {
 
 #[pymethods]
 impl PushDecode {
-    /// Registers the buffers and starts the control thread.
+    /// Registers the buffers and starts the control thread. With `discovery` =
+    /// `(url, cluster)`, prefills' ranks and liveness come from that etcd (prefill ranks
+    /// registered with `PushPrefill.register`) instead of their bootstrap registries; raises
+    /// `DiscoveryError` when etcd is unreachable.
     #[new]
     #[pyo3(signature = (
         agent_name, transport, layout, *, tp_rank, tp_size, aux = Vec::new(),
         state = Vec::new(), state_kind = "none", waiting_timeout = 300.0,
         bootstrap_timeout = 30.0, heartbeat_interval = 5.0, max_heartbeat_failures = 2,
-        request_timeout = 2.0
+        request_timeout = 2.0, discovery = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -371,6 +407,7 @@ impl PushDecode {
         heartbeat_interval: f64,
         max_heartbeat_failures: u32,
         request_timeout: f64,
+        discovery: Option<(String, String)>,
     ) -> PyResult<Self> {
         let bufs = buffers(layout, aux, state, state_kind)?;
         if tp_size == 0 || tp_rank >= tp_size {
@@ -389,6 +426,15 @@ impl PushDecode {
         config.heartbeat_interval = seconds("heartbeat_interval", heartbeat_interval)?;
         config.max_heartbeat_failures = max_heartbeat_failures;
         config.request_timeout = seconds("request_timeout", request_timeout)?;
+        if let Some((url, cluster)) = discovery {
+            kvxfer_discovery::key::check_name("cluster name", &cluster)
+                .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
+            let client = crate::discovery::client(&url)?;
+            let dir = py
+                .detach(|| push::EtcdDirectory::start(client, &cluster))
+                .map_err(crate::discovery::discovery)?;
+            config.directory = Arc::new(dir);
+        }
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();
         let d = py.detach(move || {

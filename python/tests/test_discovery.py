@@ -90,6 +90,49 @@ def test_bad_arguments_and_an_unreachable_etcd_are_clear_errors(etcd: EtcdServer
         kvxfer.FleetWatch(dead, "py")
 
 
+def test_a_push_room_goes_through_etcd_and_bad_arguments_are_refused(etcd: EtcdServer) -> None:
+    """A push prefill rank registered in etcd and a decode whose rooms name a bootstrap
+    address where nothing listens: only etcd can tell the decode the rank, and the room
+    moves every page."""
+    from test_push import Rank, ranks, until
+
+    nowhere = ("127.0.0.1", 1)
+    dst = Rank(seed=None)
+    with pytest.raises(kvxfer.InvalidArgumentError):
+        kvxfer.PushDecode(
+            "disc-bad", "loopback", dst.layout(), tp_rank=0, tp_size=1, discovery=(etcd.url, "a/b")
+        )
+    with pytest.raises(kvxfer.DiscoveryError, match="etcd unreachable"):
+        kvxfer.PushDecode(
+            "disc-dead",
+            "loopback",
+            dst.layout(),
+            tp_rank=0,
+            tp_size=1,
+            discovery=("etcd://127.0.0.1:1", "py"),
+        )
+    registry, prefill, decode, src, dst = ranks("loopback", discovery=(etcd.url, "py"))
+    with pytest.raises(kvxfer.InvalidArgumentError, match="ttl"):
+        prefill.register(etcd.url, "py", "pe", nowhere, 7, ttl=1.0)
+    with pytest.raises(kvxfer.InvalidArgumentError):
+        prefill.register(etcd.url, "py", "p e", nowhere, 7)
+    reg = prefill.register(etcd.url, "py", "pe", nowhere, 7, ttl=2.0)
+    try:
+        decode.add_room(9, nowhere, [4, 5])
+        until(lambda: prefill.destinations_ready(9), prefill, decode)
+        prefill.add_room(9, 2)
+        prefill.send(9, [1, 0])
+        until(lambda: decode.status(9) == 4, prefill, decode)
+        for region in range(len(src.kv)):
+            assert dst.page(region, 4) == src.page(region, 1)
+            assert dst.page(region, 5) == src.page(region, 0)
+    finally:
+        decode.shutdown()
+        reg.close()
+        prefill.shutdown()
+        registry.shutdown()
+
+
 def test_the_worker_names_its_instance_and_layout_and_takes_losses() -> None:
     from test_pull import cache, worker
 

@@ -55,7 +55,9 @@ class Rank:
         return self.kv[region][page * BLOCK : (page + 1) * BLOCK].tobytes()
 
 
-def ranks(transport: str) -> tuple[Any, ...]:
+def ranks(transport: str, **decode_kw: Any) -> tuple[Any, ...]:
+    """Registry, prefill, decode (`decode_kw` added to its arguments), source and
+    destination memory."""
     n = next(_ids)
     src, dst = Rank(seed=7 * n + 1), Rank(seed=None)
     registry = kvxfer.PushRegistry()
@@ -75,6 +77,7 @@ def ranks(transport: str) -> tuple[Any, ...]:
         tp_rank=0,
         tp_size=1,
         aux=dst.aux_list(),
+        **decode_kw,
     )
     return registry, prefill, decode, src, dst
 

@@ -1,10 +1,13 @@
 """Real-engine fixtures: the plain engine's reference outputs, and a prefill server, a decode
 server and SGLang's router with the kvxfer backend, started once per transport (UCX, NIXL)
-and shared by the tests."""
+and shared by the tests. The NIXL pair finds its prefill through a real etcd
+(``KVXFER_DISCOVERY``, 2 s leases) where an etcd binary is present; the UCX pair through the
+prefill's push registry."""
 
 import os
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,9 @@ from harness import MODEL, PROMPT_A, PROMPT_B, Router, Server, baseline, free_po
 
 import kvxfer
 import kvxfer.ucx
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from etcd_server import EtcdServer, etcd_binary  # noqa: E402
 
 # This process's own agents (the probe, the out-of-range decode) use the UCX the servers use:
 # the NIXL wheel's, as kvxfer.sglang picks it. Peers on different UCX releases cannot talk.
@@ -30,15 +36,22 @@ PROMPTS = [PROMPT_A, PROMPT_B] + [
 ]
 
 
+# The engine id and cluster the NIXL pair's prefill registers under.
+ENGINE_ID = "sgl-prefill"
+CLUSTER = "sgl"
+
+
 @dataclass
 class Pair:
-    """A prefill, a decode and the router over them."""
+    """A prefill, a decode and the router over them; `etcd` when they use discovery."""
 
     transport: str
     logdir: Path
     prefill: Server
     decode: Server
     router: Router
+    etcd: EtcdServer | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
     def start_prefill(self, name: str) -> Server:
         """A new prefill on the same bootstrap port (after the first one died)."""
@@ -49,12 +62,15 @@ class Pair:
             transport=self.transport,
             bootstrap_port=self.prefill.bootstrap_port,
             name=name,
+            env=self.env,
         )
         return self.prefill
 
     def close(self) -> None:
         for p in (self.router, self.decode, self.prefill):
             p.close()
+        if self.etcd is not None:
+            self.etcd.close()
 
 
 def _usable_or_skip(transport: str) -> None:
@@ -86,8 +102,20 @@ def pair(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Itera
     transport = request.param
     _usable_or_skip(transport)
     boot = free_port()
-    prefill = Server("prefill", "0", logdir, transport=transport, bootstrap_port=boot)
-    decode = Server("decode", "1", logdir, transport=transport, bootstrap_port=boot, env=HEARTBEAT)
+    binary = etcd_binary() if transport == "nixl" else None
+    etcd = EtcdServer(binary) if binary else None
+    env = {}
+    if etcd is not None:
+        env = {
+            "KVXFER_DISCOVERY": etcd.url,
+            "KVXFER_CLUSTER": CLUSTER,
+            "KVXFER_ENGINE_ID": ENGINE_ID,
+            "KVXFER_LEASE_TTL": "2",
+        }
+    prefill = Server("prefill", "0", logdir, transport=transport, bootstrap_port=boot, env=env)
+    decode = Server(
+        "decode", "1", logdir, transport=transport, bootstrap_port=boot, env={**HEARTBEAT, **env}
+    )
     servers = [prefill, decode]
     try:
         wait_healthy(servers, STARTUP)
@@ -97,7 +125,9 @@ def pair(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Itera
     except BaseException:
         for s in servers:
             s.close()
+        if etcd is not None:
+            etcd.close()
         raise
-    p = Pair(transport, logdir, prefill, decode, router)
+    p = Pair(transport, logdir, prefill, decode, router, etcd, env)
     yield p
     p.close()

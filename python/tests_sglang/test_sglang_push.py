@@ -1,6 +1,7 @@
 """A real SGLang prefill and decode with the kvxfer backend, behind SGLang's router: outputs
 equal a plain run, the decode continues from the KV the prefill wrote, concurrent requests,
-a refused out-of-range destination, and a prefill killed mid-request. Over UCX and NIXL."""
+a refused out-of-range destination, and a prefill killed mid-request and restarted. Over UCX
+(prefills found through their push registries) and NIXL (through etcd)."""
 
 import json
 import random
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
-from conftest import PROMPTS, Pair
+from conftest import CLUSTER, ENGINE_ID, PROMPTS, Pair
 from harness import PROMPT_A, PROMPT_B, body, direct, post, tokens_and_logprobs, wait_healthy
 
 import kvxfer
@@ -61,6 +62,24 @@ def _prefill_shape(pair: Pair) -> dict[str, Any]:
     return json.loads(m.group(1))
 
 
+def test_with_discovery_the_prefill_is_found_through_etcd(pair: Pair, reference: dict) -> None:
+    """The NIXL pair's prefill rank registered in etcd under its engine id, and both sides
+    say they go through etcd (the tests before and after this one ran their rooms so)."""
+    if pair.etcd is None:
+        pytest.skip("this pair finds its prefill through the push registry")
+    watch = kvxfer.FleetWatch(pair.etcd.url, CLUSTER)
+    try:
+        ranks = watch.engine(ENGINE_ID)
+        assert ranks is not None and [r[0] for r in ranks] == [(0, 0, 0)], ranks
+    finally:
+        watch.close()
+    assert f"etcd cluster '{CLUSTER}' as '{ENGINE_ID}'" in pair.prefill.log_text()
+    assert f"prefills through etcd cluster '{CLUSTER}'" in pair.decode.log_text()
+    reply = post(pair.router.url, body(PROMPT_B))
+    assert reply.status_code == 200, reply.text
+    assert_matches(reply.json(), reference[tuple(PROMPT_B)])
+
+
 def _ended_in_error(r: requests.Response) -> bool:
     if r.status_code != 200:
         return True
@@ -93,6 +112,7 @@ def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written
         tp_rank=0,
         tp_size=1,
         aux=[(a.ctypes.data, n, 4) for a, n in zip(aux, shape["aux_item_lens"], strict=True)],
+        discovery=None if pair.etcd is None else (pair.etcd.url, CLUSTER),
     )
     boot = pair.prefill.bootstrap_port
     port = requests.get(f"http://127.0.0.1:{boot}/kvxfer", timeout=5).json()["port"]
@@ -123,10 +143,9 @@ def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving
     pair: Pair, reference: dict
 ) -> None:
     """Runs last on its pair: it kills the prefill (the router's prefill), then starts
-    another on the same bootstrap port. Over UCX only: a dead prefill is detected by the
-    backend's heartbeats, not by the transport, and the restart costs CI about 1.5 min."""
-    if pair.transport != "ucx":
-        pytest.skip("kill and restart run over UCX only: detection is not the transport's")
+    another on the same bootstrap port. The decode's liveness probes find it dead: over UCX
+    its push registry stops answering, over NIXL its keys leave etcd (2 s leases); the
+    restarted prefill registers again under a new instance, which the decode picks up."""
     r = room()
     reply: dict[str, Any] = {}
 
@@ -146,6 +165,8 @@ def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving
     assert _ended_in_error(reply["d"]), reply["d"].text
     # Two missed heartbeats 2 s apart, each probe bounded by 2 s: well under 30 s.
     assert took < 30, f"failed after {took:.1f} s"
+    if pair.etcd is not None:
+        assert pair.etcd.keys(f"/kvxfer/v1/{CLUSTER}/engines/prefill/{ENGINE_ID}/") == 0
     print(f"{pair.transport}: the waiting request failed {took:.1f} s after the prefill died")
     assert pair.decode.alive()
     fresh = pair.start_prefill(f"prefill-{pair.transport}-restarted")

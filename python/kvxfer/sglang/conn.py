@@ -16,7 +16,14 @@ ranks with ``min``): ``Failed`` wins, otherwise a rank reports the highest statu
 
 Settings (environment): ``KVXFER_TRANSPORT`` (``ucx``, the default, or ``nixl``) and
 ``KVXFER_UCX_LIBRARY`` (see :mod:`kvxfer.ucx`). SGLang's own ``SGLANG_DISAGGREGATION_*`` timeouts
-and heartbeat settings apply.
+and heartbeat settings apply. With ``KVXFER_DISCOVERY=etcd://HOST:PORT[,...]`` (on the prefill and
+the decode) each prefill rank also registers in that etcd (cluster ``KVXFER_CLUSTER``, default
+``default``; engine id ``KVXFER_ENGINE_ID``, default from its registry's address; lease TTL
+``KVXFER_LEASE_TTL`` seconds, default 10), and the decode's rooms learn the prefill's ranks ("all
+registered") and its liveness from etcd instead of asking its push registry: a dead prefill's
+rooms fail once its keys are gone (within the TTL), a restarted one is picked up when it
+registers again. The decode still finds the registry's address through SGLang's bootstrap
+server, so the prefill must reach its own bootstrap server at the host the decodes are given.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 from aiohttp import web
@@ -71,6 +79,33 @@ def _transport() -> str:
         library = kvxfer.ucx.select("auto")
         log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
     return transport
+
+
+class Discovery(NamedTuple):
+    """Where and how ranks register in etcd (``KVXFER_DISCOVERY`` and its companions)."""
+
+    url: str
+    cluster: str
+    engine_id: str | None
+    ttl: float
+
+
+def _discovery() -> Discovery | None:
+    url = os.environ.get("KVXFER_DISCOVERY")
+    if not url:
+        return None
+    return Discovery(
+        url,
+        os.environ.get("KVXFER_CLUSTER", "default"),
+        os.environ.get("KVXFER_ENGINE_ID") or None,
+        float(os.environ.get("KVXFER_LEASE_TTL", "10")),
+    )
+
+
+def _engine_id(registry: tuple[str, int]) -> str:
+    """A prefill engine id from its registry's address, in etcd's key alphabet."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", registry[0])
+    return f"sglang-{host}-{registry[1]}"
 
 
 def _model_config(server_args: ServerArgs) -> Any:
@@ -135,6 +170,9 @@ class KvxferKVManager(CommonKVManager):
         name = f"sgl{role}{self.attn_tp_rank}-{uuid.uuid4().hex[:12]}"
         self._last_poll = 0.0
         self.push: kvxfer.PushPrefill | kvxfer.PushDecode
+        self.registration: kvxfer.Registration | None = None
+        disc = _discovery()
+        directory = "push registries"
         if disaggregation_mode == DisaggregationMode.PREFILL:
             registry = _ask_registry(self._bootstrap_url(), time.monotonic() + REGISTRY_WAIT)
             self.push = kvxfer.PushPrefill(
@@ -152,6 +190,17 @@ class KvxferKVManager(CommonKVManager):
                 host=self.local_ip,
                 bootstrap_timeout=float(self.bootstrap_timeout),
             )
+            if disc is not None:
+                engine_id = disc.engine_id or _engine_id(registry)
+                self.registration = self.push.register(
+                    disc.url,
+                    disc.cluster,
+                    engine_id,
+                    registry,
+                    uuid.uuid4().int & (2**64 - 1),
+                    disc.ttl,
+                )
+                directory = f"etcd cluster {disc.cluster!r} as {engine_id!r}"
         else:
             self.registries: dict[str, tuple[str, int]] = {}
             self.push = kvxfer.PushDecode(
@@ -166,17 +215,21 @@ class KvxferKVManager(CommonKVManager):
                 waiting_timeout=float(self.waiting_timeout),
                 heartbeat_interval=float(self.heartbeat_interval),
                 max_heartbeat_failures=int(self.max_failures),
+                discovery=None if disc is None else (disc.url, disc.cluster),
             )
+            if disc is not None:
+                directory = f"etcd cluster {disc.cluster!r}"
         shape = {k: v for k, v in bufs.layout.items() if k != "bases"}
         shape["aux_item_lens"] = [item for _, item, _ in bufs.aux]
         shape["state_item_lens"] = [item for _, item, _ in bufs.state]
         log.info(
-            "kvxfer: %s rank %d/%d over %s, agent %s; kvxfer-layout: %s",
+            "kvxfer: %s rank %d/%d over %s, agent %s, prefills through %s; kvxfer-layout: %s",
             disaggregation_mode.value,
             self.attn_tp_rank,
             self.attn_tp_size,
             transport,
             name,
+            directory,
             json.dumps(shape, sort_keys=True),
         )
 
