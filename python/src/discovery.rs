@@ -1,7 +1,7 @@
 //! Fleet discovery through etcd for the engines' connectors: a process's rank registration
 //! (`Registration`) and a watch of one role's engines (`FleetWatch`).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
@@ -11,7 +11,8 @@ use kvxfer_discovery::{Change, RankIndex, RankKey, RankRecord, Role, World};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{DiscoveryError, InvalidArgumentError, ShutDownError};
+use crate::errors::{DiscoveryError, InvalidArgumentError};
+use crate::slot::Slot;
 
 /// How long one etcd call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
@@ -39,14 +40,14 @@ pub(crate) fn client(url: &str) -> PyResult<Arc<EtcdClient>> {
 /// after the lease's TTL).
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct Registration {
-    inner: Mutex<Option<Registrar>>,
+    inner: Slot<Registrar>,
 }
 
 impl Registration {
     /// Wraps a running registrar.
     pub(crate) fn from_registrar(r: Registrar) -> Registration {
         Registration {
-            inner: Mutex::new(Some(r)),
+            inner: Slot::new(r),
         }
     }
 }
@@ -106,18 +107,12 @@ impl Registration {
         let registrar = py
             .detach(|| Registrar::start(client, ttl, vec![(key, record)]))
             .map_err(discovery)?;
-        Ok(Registration {
-            inner: Mutex::new(Some(registrar)),
-        })
+        Ok(Registration::from_registrar(registrar))
     }
 
     /// `registered`, `lease`, `renewals`, `registrations`, `failures`, `last_error`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let guard = self.inner.lock().map_err(|_| poisoned())?;
-        let s = guard
-            .as_ref()
-            .ok_or_else(|| ShutDownError::new_err("the registration was closed"))?
-            .status();
+        let s = self.inner.with(py, "registration", |r| Ok(r.status()))?;
         let d = PyDict::new(py);
         d.set_item("registered", s.registered)?;
         d.set_item("lease", s.lease)?;
@@ -129,22 +124,16 @@ impl Registration {
     }
 
     /// Deregisters (revokes the lease: the keys go at once). Calling it twice is fine.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.inner.lock().map_err(|_| poisoned())?.take();
-        py.detach(move || drop(taken));
-        Ok(())
+    fn close(&self, py: Python<'_>) {
+        self.inner.shutdown(py);
     }
-}
-
-fn poisoned() -> PyErr {
-    crate::errors::KvxferError::new_err("discovery state poisoned by an earlier panic")
 }
 
 /// A watch of one role's engines in a cluster.
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct FleetWatch {
     role: Role,
-    inner: Mutex<Option<(Watcher, Receiver<Change>)>>,
+    inner: Slot<(Watcher, Receiver<Change>)>,
 }
 
 #[pymethods]
@@ -164,50 +153,47 @@ impl FleetWatch {
             .map_err(discovery)?;
         Ok(FleetWatch {
             role,
-            inner: Mutex::new(Some(w)),
+            inner: Slot::new(w),
         })
     }
 
     /// The changes since the last call: `("ready", engine_id, "")` when an engine became
     /// whole, `("lost", engine_id, reason)` when the engine last ready is gone or restarted.
-    fn changes(&self) -> PyResult<Vec<(&'static str, String, String)>> {
-        let guard = self.inner.lock().map_err(|_| poisoned())?;
-        let (_, rx) = guard
-            .as_ref()
-            .ok_or_else(|| ShutDownError::new_err("the watch was closed"))?;
-        Ok(rx
-            .try_iter()
-            .map(|c| match c {
-                Change::Ready(v) => ("ready", v.engine_id, String::new()),
-                Change::Lost {
-                    engine_id, reason, ..
-                } => ("lost", engine_id, reason),
-            })
-            .collect())
+    fn changes(&self, py: Python<'_>) -> PyResult<Vec<(&'static str, String, String)>> {
+        self.inner.with(py, "watch", |(_, rx)| {
+            Ok(rx
+                .try_iter()
+                .map(|c| match c {
+                    Change::Ready(v) => ("ready", v.engine_id, String::new()),
+                    Change::Lost {
+                        engine_id, reason, ..
+                    } => ("lost", engine_id, reason),
+                })
+                .collect())
+        })
     }
 
     /// A whole engine's ranks as `((dp, pp, tp), endpoint, instance)`, or `None`.
     #[allow(clippy::type_complexity)]
-    fn engine(&self, engine_id: &str) -> PyResult<Option<Vec<((u32, u32, u32), String, u64)>>> {
-        let guard = self.inner.lock().map_err(|_| poisoned())?;
-        let (w, _) = guard
-            .as_ref()
-            .ok_or_else(|| ShutDownError::new_err("the watch was closed"))?;
-        Ok(w.engine(self.role, engine_id).map(|v| {
-            v.ranks
-                .into_iter()
-                .map(|(r, rec)| ((r.dp, r.pp, r.tp), rec.endpoint, rec.instance))
-                .collect()
-        }))
+    fn engine(
+        &self,
+        py: Python<'_>,
+        engine_id: &str,
+    ) -> PyResult<Option<Vec<((u32, u32, u32), String, u64)>>> {
+        let role = self.role;
+        self.inner.with(py, "watch", |(w, _)| {
+            Ok(w.engine(role, engine_id).map(|v| {
+                v.ranks
+                    .into_iter()
+                    .map(|(r, rec)| ((r.dp, r.pp, r.tp), rec.endpoint, rec.instance))
+                    .collect()
+            }))
+        })
     }
 
     /// `connected`, `revision`, `resyncs`, `events`, `last_error`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let guard = self.inner.lock().map_err(|_| poisoned())?;
-        let (w, _) = guard
-            .as_ref()
-            .ok_or_else(|| ShutDownError::new_err("the watch was closed"))?;
-        let s = w.status();
+        let s = self.inner.with(py, "watch", |(w, _)| Ok(w.status()))?;
         let d = PyDict::new(py);
         d.set_item("connected", s.connected)?;
         d.set_item("revision", s.revision)?;
@@ -218,9 +204,7 @@ impl FleetWatch {
     }
 
     /// Stops the watch. Calling it twice is fine.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.inner.lock().map_err(|_| poisoned())?.take();
-        py.detach(move || drop(taken));
-        Ok(())
+    fn close(&self, py: Python<'_>) {
+        self.inner.shutdown(py);
     }
 }

@@ -11,6 +11,7 @@ mod errors;
 mod memory;
 mod pull;
 mod push;
+mod slot;
 
 use pyo3::prelude::*;
 

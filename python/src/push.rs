@@ -4,7 +4,7 @@
 //! each room's destinations, tracks completion). Statuses are SGLang's `KVPoll` numbers:
 //! 0 failed, 1 bootstrapping, 2 waiting for input, 3 transferring, 4 success.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvxfer::AnyTransport;
 use kvxfer_core::MemoryKind;
@@ -17,10 +17,9 @@ use pyo3::types::PyDict;
 use crate::agent::transport_kind;
 use crate::args::seconds;
 use crate::cache;
-use crate::errors::{
-    self, InvalidArgumentError, KvxferError, ShutDownError, SideChannelError, TransferFailedError,
-};
+use crate::errors::{self, InvalidArgumentError, SideChannelError, TransferFailedError};
 use crate::memory::check_host_mapped;
+use crate::slot::Slot;
 
 /// `(base, item_len, items)` triples as the push side registers them.
 type Buffers = Vec<(u64, u64, u32)>;
@@ -76,39 +75,6 @@ fn buffers(
     })
 }
 
-/// A shared, lockable connector half that `shutdown` ends.
-struct Slot<T>(Mutex<Option<T>>);
-
-impl<T: Send> Slot<T> {
-    fn with<R: Send>(
-        &self,
-        py: Python<'_>,
-        what: &str,
-        f: impl FnOnce(&mut T) -> PyResult<R> + Send,
-    ) -> PyResult<R> {
-        py.detach(|| {
-            let mut guard = self.0.lock().map_err(|_| {
-                KvxferError::new_err(format!("{what} state poisoned by an earlier panic"))
-            })?;
-            let inner = guard
-                .as_mut()
-                .ok_or_else(|| ShutDownError::new_err(format!("the {what} was shut down")))?;
-            f(inner)
-        })
-    }
-
-    /// Drops the inner value (its threads stop, its memory is deregistered) outside the GIL.
-    fn shutdown(&self, py: Python<'_>) {
-        py.detach(|| {
-            let taken = match self.0.lock() {
-                Ok(mut g) => g.take(),
-                Err(p) => p.into_inner().take(),
-            };
-            drop(taken);
-        });
-    }
-}
-
 fn push_error(e: PushError) -> PyErr {
     match e {
         PushError::Setup(s) => TransferFailedError::new_err(s),
@@ -138,7 +104,7 @@ impl PushRegistry {
         Ok(PushRegistry {
             port: r.port(),
             instance: r.instance(),
-            inner: Slot(Mutex::new(Some(r))),
+            inner: Slot::new(r),
         })
     }
 
@@ -220,7 +186,7 @@ impl PushPrefill {
         })?;
         Ok(PushPrefill {
             port: p.port(),
-            inner: Slot(Mutex::new(Some(p))),
+            inner: Slot::new(p),
         })
     }
 
@@ -443,7 +409,7 @@ impl PushDecode {
                 .map_err(errors::KvxferError::new_err)
         })?;
         Ok(PushDecode {
-            inner: Slot(Mutex::new(Some(d))),
+            inner: Slot::new(d),
         })
     }
 

@@ -425,6 +425,17 @@ impl<T: Transport> Engine<T> {
     }
 }
 
+/// The loads one poll reported failed, as (request, invalid blocks), sorted by request.
+pub fn failed_loads(f: &Finished) -> Vec<(String, Vec<u32>)> {
+    let mut failed: Vec<(String, Vec<u32>)> = f
+        .failed
+        .iter()
+        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
+        .collect();
+    failed.sort();
+    failed
+}
+
 /// Polls `engines` until `done` says so or 60 s pass (a hang guard, not a timing check).
 pub fn poll_until<T: Transport>(
     engines: &mut [&mut Engine<T>],

@@ -11,7 +11,7 @@ use kvxfer_core::wire::handshake::{HandshakeMeta, MAX_HANDSHAKE_BYTES, PROTOCOL_
 use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::loopback::Loopback;
-use kvxfer_tests::pull_env::{Model, engine, poll_until};
+use kvxfer_tests::pull_env::{Model, engine, failed_loads, poll_until};
 use kvxfer_tests::scenarios::pull::{clock, first_failure, no_tune};
 use kvxfer_transport_loopback::LoopbackTransport;
 
@@ -821,14 +821,8 @@ fn a_load_waiting_for_a_lost_engines_handshake_fails_at_once() {
     assert!(dec.poll()[0].failed.is_empty());
     dec.workers[0].engine_lost("silentq", "rank 0.0.0 deregistered");
     let f = dec.poll();
-    let mut failed: Vec<(String, Vec<u32>)> = f[0]
-        .failed
-        .iter()
-        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
-        .collect();
-    failed.sort();
     assert_eq!(
-        failed,
+        failed_loads(&f[0]),
         [("r".to_string(), vec![5]), ("s".to_string(), vec![6])]
     );
     assert!(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvxfer_core::pull::PullConfig;
 use kvxfer_layout::BlockOrder;
-use kvxfer_tests::pull_env::{Engine, GUARD, Model, engine, poll_until, prefill_at};
+use kvxfer_tests::pull_env::{Engine, GUARD, Model, engine, failed_loads, poll_until, prefill_at};
 use kvxfer_tests::scenarios::pull::{clock, first_failure, no_tune};
 use kvxfer_transport_loopback::LoopbackTransport;
 
@@ -130,14 +130,8 @@ fn a_dead_prefill_fails_every_load_in_flight_at_once() {
     // The completions stay held: only the dead peer can end these loads.
     pre.workers[0].transport().faults().vanish();
     let f = dec.poll();
-    let mut failed: Vec<(String, Vec<u32>)> = f[0]
-        .failed
-        .iter()
-        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
-        .collect();
-    failed.sort();
     assert_eq!(
-        failed,
+        failed_loads(&f[0]),
         vec![("a".to_string(), vec![2]), ("b".to_string(), vec![4])]
     );
     assert_eq!(dec.workers[0].transport().open_transfers(), 0);
@@ -180,14 +174,8 @@ fn a_prefill_discovery_reports_lost_fails_its_loads_in_flight_at_once() {
     assert_eq!(dec.workers[0].transport().open_transfers(), 2);
     dec.workers[0].engine_lost(&engine_id, "rank 0.0.0 deregistered");
     let f = dec.poll();
-    let mut failed: Vec<(String, Vec<u32>)> = f[0]
-        .failed
-        .iter()
-        .map(|l| (l.req_id.clone(), l.invalid_blocks.clone()))
-        .collect();
-    failed.sort();
     assert_eq!(
-        failed,
+        failed_loads(&f[0]),
         vec![("a".to_string(), vec![2]), ("b".to_string(), vec![4])]
     );
     assert!(
