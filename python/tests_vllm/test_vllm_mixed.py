@@ -36,6 +36,20 @@ STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 LEASE = 30
 # The kvxfer engine's bound on a READ; the restart test's first request must end within it.
 TRANSFER_TIMEOUT = 10
+# How long each hand-off's calls took, for the lease test's messages.
+HANDOFFS: list[str] = []
+
+
+def _timed(name: str, prefill_then_read: Any) -> Any:
+    """Runs a hand-off (`prefill_then_read(mark)`, which calls `mark()` between its prefill
+    and its read) and records how long each half took."""
+    t0 = time.monotonic()
+    marks: list[float] = []
+    out = prefill_then_read(lambda: marks.append(time.monotonic()))
+    t1 = time.monotonic()
+    mid = marks[0] if marks else t1
+    HANDOFFS.append(f"{name}: prefill {mid - t0:.1f} s, read {t1 - mid:.1f} s")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,10 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, En
     )
     engines = start([stock, ours])
     try:
+        # A first request on each, so that an engine's first-call costs are not spent from
+        # a lease.
+        for e in engines:
+            _step(e)
         yield engines[0], engines[1]
     finally:
         for e in engines:
@@ -95,9 +113,15 @@ def test_a_kvxfer_decode_pulls_from_a_stock_prefill(mixed: tuple[Engine, Engine]
     # so the freed blocks still hold what was read).
     before = ours.call({"op": "kv_hashes"})
     external = ours.call({"op": "external_tokens"})
-    (params,) = prefill(stock, [x])
+
+    def handoff(mark: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        (params,) = prefill(stock, [x])
+        mark()
+        (remote,) = decode(ours, [x], [params])
+        return params, remote
+
+    params, remote = _timed("stock -> kvxfer", handoff)
     assert "kvxfer_protocol" not in params and params["transfer_mode"] == "pull", params
-    (remote,) = decode(ours, [x], [params])
     p_blocks = stock.call({"op": "kv_hashes"})
     assert ours.call({"op": "external_tokens"}) - external == len(x)
     after = ours.call({"op": "kv_hashes"})
@@ -113,9 +137,15 @@ def test_a_stock_decode_pulls_from_a_kvxfer_prefill(mixed: tuple[Engine, Engine]
     x = prompt(42, 100)
     before = stock.call({"op": "kv_hashes"})
     external = stock.call({"op": "external_tokens"})
-    (params,) = prefill(ours, [x])
+
+    def handoff(mark: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        (params,) = prefill(ours, [x])
+        mark()
+        (remote,) = decode(stock, [x], [params])
+        return params, remote
+
+    params, remote = _timed("kvxfer -> stock", handoff)
     assert params["kvxfer_protocol"] and params["transfer_mode"] == "pull", params
-    (remote,) = decode(stock, [x], [params])
     p_blocks = ours.call({"op": "kv_hashes"})  # after, as in the first test
     assert stock.call({"op": "external_tokens"}) - external == len(x)
     after = stock.call({"op": "kv_hashes"})
@@ -204,8 +234,13 @@ def test_bytes_a_kvxfer_decode_reads_are_the_stock_prefills(mixed: tuple[Engine,
     x = prompt(43, 96)
     d = _Decode(_factors())  # first: making a NIXL agent takes a while
     try:
-        (params,) = prefill(stock, [x])
-        failed, recving = d.load(params, [5, 6, 7])
+
+        def handoff(mark: Any) -> tuple[dict[str, Any], tuple[list[Any], list[str]]]:
+            (params,) = prefill(stock, [x])
+            mark()
+            return params, d.load(params, [5, 6, 7])
+
+        params, (failed, recving) = _timed("stock -> in-process decode", handoff)
         p_blocks = stock.call({"op": "kv_hashes"})  # after, as in the first test
         assert not failed and recving == ["r"], failed
         for layer, (name, hashes) in enumerate(sorted(p_blocks.items())):
@@ -259,8 +294,9 @@ def test_only_the_unread_requests_leases_expire(mixed: tuple[Engine, Engine]) ->
     # A read that landed after the stock prefill's lease ran out is logged by it and counted
     # as an expiry; none may have.
     late = stock.log_text().count("Potentially invalid KV blocks for unrecognized request")
-    assert late == 0, f"{late} read(s) landed after the stock prefill's lease expired"
-    assert _expired(stock, ours) == (2, 1), "(stock, kvxfer) leases expired"
+    calls = "; ".join(HANDOFFS)
+    assert late == 0, f"{late} read(s) landed after the stock prefill's lease expired ({calls})"
+    assert _expired(stock, ours) == (2, 1), f"(stock, kvxfer) leases expired ({calls})"
 
 
 def test_a_stock_prefill_restarted_between_requests_costs_at_most_one_request(
