@@ -1,7 +1,7 @@
 """Mixed fleets: a real vLLM engine running its own NixlConnector (stock) and one running
 KvxferConnector over NIXL pull KV from each other, each side speaking vLLM 0.32.0's
 NixlConnector protocol (version 14). Both engines are `kv_both`: each is the prefill of one
-direction and the decode of the other. Leases are 30 s on both, so a read whose notification
+direction and the decode of the other. Leases are 60 s on both, so a read whose notification
 did not count would show as an expired lease within the test."""
 
 import hashlib
@@ -30,10 +30,10 @@ import kvxfer
 STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 # Longer than the time from a prefill to its decode's first heartbeat (the decode's ask, a
 # first connection: NIXL's connection check in loading a stock peer's metadata was seen to
-# take up to 10 s here), short enough that a lease run out shows within the test (one wait,
-# in test_only_the_unread_requests_leases_expire). No test call runs between a prefill and
-# its decode: one that hashed a cache there took 29 s on a loaded machine.
-LEASE = 30
+# take up to 10 s here) with room for the unexplained 20-30 s a request once took to reach
+# the kvxfer engine under .ci/run (RELIABILITY.md, known gaps); short enough that a lease run
+# out shows within the test (one wait, in test_only_the_unread_requests_leases_expire).
+LEASE = 60
 # The kvxfer engine's bound on a READ; the restart test's first request must end within it.
 TRANSFER_TIMEOUT = 10
 # How long each hand-off's calls took, for the lease test's messages.
