@@ -101,8 +101,10 @@ def _start_reporter() -> None:
     _reporter.start()
 
 
-def collect(out: Path, processes: int, timeout: float = 30) -> dict[str, Any]:
-    """Asks every instrumented process for its totals and sums them (`loaded` is merged)."""
+def collect(out: Path, processes: int, timeout: float = 120) -> dict[str, Any]:
+    """Asks every instrumented process for its totals and sums them (`loaded` is merged).
+    The bound is generous: a stock NixlConnector prefill's worker was once seen to answer
+    nothing (not even SIGTERM) for over 30 s right after the warm-up's first hand-off."""
     seq = int((out / "request").read_text()) + 1 if (out / "request").exists() else 1
     (out / "request").write_text(str(seq))
     deadline = time.monotonic() + timeout
