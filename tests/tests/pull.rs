@@ -473,16 +473,18 @@ fn the_first_heartbeat_goes_as_the_connection_is_made() {
     );
 }
 
-/// A request that starts waiting on a prefill already connected is heartbeated at once, not
-/// at the decode's next interval: "r" asks at 4 s and the decode is not polled again, so
+/// A request that starts waiting on a prefill already connected is heartbeated in that step,
+/// not at the decode's next interval: "r" asks at 4 s and the decode is not polled again, so
 /// only that heartbeat keeps r's lease past 30 s, while "a" (heartbeated as the connection
-/// was made, at 0 s, then no longer waiting) runs out at 30 s.
+/// was made, at 0 s, then no longer waiting) runs out at 30 s, and "q" (which began and ended
+/// waiting in r's step) is not heartbeated at all.
 #[test]
 fn a_request_waiting_on_a_connected_prefill_is_heartbeated_on_arrival() {
     use std::time::Duration;
     let (manual, mut pre, mut dec) = lease_pair("arrival-hb");
     let a = pre.finish_prefill("a", &[1]);
     let r = pre.finish_prefill("r", &[3]);
+    let q = pre.finish_prefill("q", &[4]);
     dec.scheduler.tokens_to_load("a", Some(&a), 4, 0).unwrap();
     let meta = dec.scheduler.build_step_meta();
     dec.workers[0].start_load_kv(&meta);
@@ -491,8 +493,10 @@ fn a_request_waiting_on_a_connected_prefill_is_heartbeated_on_arrival() {
     dec.scheduler.request_finished("a", Some(&a), false, &[]);
     manual.advance(Duration::from_secs(4));
     dec.scheduler.tokens_to_load("r", Some(&r), 4, 0).unwrap();
+    dec.scheduler.tokens_to_load("q", Some(&q), 4, 0).unwrap();
+    dec.scheduler.request_finished("q", Some(&q), false, &[]);
     let meta = dec.scheduler.build_step_meta();
-    assert_eq!((meta.wait.len(), meta.unwait.len()), (1, 1));
+    assert_eq!((meta.wait.len(), meta.unwait.len()), (2, 2));
     dec.workers[0].start_load_kv(&meta);
     assert_eq!(
         dec.workers[0].take_metrics().heartbeats,
@@ -501,10 +505,12 @@ fn a_request_waiting_on_a_connected_prefill_is_heartbeated_on_arrival() {
     );
     assert!(pre.poll()[0].sending.is_empty()); // takes it at 4 s
     manual.advance(Duration::from_secs(26));
+    let mut sent = pre.poll()[0].sending.clone();
+    sent.sort();
     assert_eq!(
-        pre.poll()[0].sending,
-        vec!["a".to_string()],
-        "30 s: a's lease only"
+        sent,
+        vec!["a".to_string(), "q".to_string()],
+        "30 s: a's and q's"
     );
     manual.advance(Duration::from_secs(4));
     assert_eq!(pre.poll()[0].sending, vec!["r".to_string()], "34 s: r's");

@@ -276,21 +276,37 @@ impl<T: Transport> PullWorker<T> {
 
     /// Notes a request waiting for blocks, so that its prefill's lease is heartbeated, and
     /// handshakes with the prefill ahead of the load, as vLLM's decode does: a heartbeat
-    /// needs the connection, and the load will too. Where connected, the first heartbeat goes
-    /// at once: the time since the prefill finished is already spent from the lease.
+    /// needs the connection, and the load will too.
     pub(super) fn await_load(&mut self, wait: &RecvRequest) {
         self.waiting.insert(wait.req_id.clone(), wait.clone());
         self.drop_if_peer_failed(&wait.engine_id);
-        match self.engines.get(&wait.engine_id) {
-            Some(Engine::Ready { .. }) => {
-                self.send_heartbeat(&wait.engine_id, &[wait.remote_req_id.as_str()]);
+        if !self.engines.contains_key(&wait.engine_id) {
+            self.engines
+                .insert(wait.engine_id.clone(), super::Engine::Handshaking);
+            self.spawn_handshake(wait);
+        }
+    }
+    /// Heartbeats the requests that began waiting this step on a connected prefill and still
+    /// wait (neither ended nor loading), once per engine: the time since the prefill
+    /// finished is already spent from their leases.
+    pub(super) fn heartbeat_new_waits(&mut self, waits: &[RecvRequest]) {
+        let mut by_engine: Vec<(&str, Vec<&str>)> = Vec::new();
+        for w in waits
+            .iter()
+            .filter(|w| self.waiting.contains_key(&w.req_id))
+        {
+            match by_engine.iter_mut().find(|(e, _)| *e == w.engine_id) {
+                Some((_, ids)) => ids.push(&w.remote_req_id),
+                None => by_engine.push((&w.engine_id, vec![&w.remote_req_id])),
             }
-            Some(Engine::Handshaking) => {}
-            None => {
-                self.engines
-                    .insert(wait.engine_id.clone(), Engine::Handshaking);
-                self.spawn_handshake(wait);
-            }
+        }
+        let by_engine: Vec<(String, Vec<String>)> = by_engine
+            .into_iter()
+            .map(|(e, ids)| (e.to_owned(), ids.into_iter().map(str::to_owned).collect()))
+            .collect();
+        for (engine_id, ids) in by_engine {
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+            self.send_heartbeat(&engine_id, &ids);
         }
     }
     /// Every heartbeat interval, extends the prefill's lease on the blocks of each request

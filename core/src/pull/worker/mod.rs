@@ -354,6 +354,7 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
         }
+        self.heartbeat_new_waits(&meta.wait);
         refused
     }
     /// Whether a load of `req_id` started and the engine has not yet been told it ended.
