@@ -278,6 +278,33 @@ fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
             "{args:?}: {err}"
         );
     }
+    // An address peers cannot reach is refused before etcd is asked.
+    for host in ["0.0.0.0", "::", "[::]"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+            .args([
+                "serve",
+                "--host",
+                host,
+                "--port",
+                &free_port(),
+                "--duration",
+                "5",
+            ])
+            .args([
+                "--transport",
+                "ucx",
+                "--discovery",
+                &dead,
+                "--engine-id",
+                "p",
+            ])
+            .args(SHAPE)
+            .output()
+            .expect("run kvxfer");
+        let err = plain(&String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(2), "{host}: {err}");
+        assert!(err.contains("--host is registered"), "{host}: {err}");
+    }
 }
 
 #[test]

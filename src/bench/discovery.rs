@@ -289,6 +289,22 @@ mod imp {
 
 pub(super) use imp::{Resolver, push_directory, register, register_push};
 
+/// Refuses to register an address peers cannot reach: the host a served prefill binds is the
+/// one its records name.
+pub(super) fn check_registered_host(host: &str) -> Result<(), BenchError> {
+    let unspecified = host
+        .trim_matches(|c| c == '[' || c == ']')
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified());
+    if unspecified {
+        return Err(BenchError::Config(format!(
+            "with --discovery, --host is registered for peers to reach: give an address of \
+             this host, not {host}"
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses what discovery does not combine with.
 pub(super) fn check(d: &DiscoveryConfig, connect: bool) -> Result<(), BenchError> {
     if connect {

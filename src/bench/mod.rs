@@ -154,6 +154,7 @@ pub fn serve(
     in_process_only(c)?;
     if let Some(d) = &c.discovery {
         discovery::check(d, false)?;
+        discovery::check_registered_host(host)?;
     }
     if c.mode == Mode::Push {
         return push::serve(c, host, port, stop);

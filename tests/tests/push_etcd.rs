@@ -77,6 +77,11 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 fn rooms_wait_for_every_rank_in_etcd_then_complete() {
     with_etcd("push rooms wait for every rank", |etcd| {
         let (dir, mut pre, mut dec) = sides(etcd, 2, "pe1", |_| {});
+        assert_eq!(
+            dir.query(&nowhere(), LIMIT),
+            Err("no prefill rank in etcd cluster \"t\" names bootstrap address 127.0.0.1:1".into()),
+            "an address nobody registered fails at once"
+        );
         let _r0 = register(etcd, &pre, 0, 10);
         wait_until("rank 0 in etcd", || {
             dir.query(&nowhere(), LIMIT)

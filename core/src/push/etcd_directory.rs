@@ -80,8 +80,9 @@ impl PrefillDirectory for EtcdDirectory {
             return layout(&v);
         }
         // Not whole yet: how far its registration got (the engine with the most ranks
-        // naming this address; none registered reads as 0 of 0).
-        let (registered, expected) = self
+        // naming this address). No rank at all is an error, not a wait: nothing registered
+        // there, or the prefill moved (a restarted SGLang prefill's registry has a new port).
+        let partial = self
             .watcher
             .registered(Role::Prefill)
             .into_iter()
@@ -90,12 +91,17 @@ impl PrefillDirectory for EtcdDirectory {
                 let world = mine.first()?.1.world.ranks()?;
                 Some((u32::try_from(mine.len()).unwrap_or(u32::MAX), world))
             })
-            .max()
-            .unwrap_or((0, 0));
-        Ok(FromRegistry::NotReady {
-            registered,
-            expected,
-        })
+            .max();
+        match partial {
+            Some((registered, expected)) => Ok(FromRegistry::NotReady {
+                registered,
+                expected,
+            }),
+            None => Err(format!(
+                "no prefill rank in {} names bootstrap address {want}",
+                self.source()
+            )),
+        }
     }
     fn alive(&self, addr: &Addr, _timeout: Duration) -> bool {
         self.whole(&format!("{}:{}", addr.0, addr.1)).is_some()

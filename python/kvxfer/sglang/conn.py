@@ -82,12 +82,11 @@ def _transport() -> str:
 
 
 class Discovery(NamedTuple):
-    """Where and how ranks register in etcd (``KVXFER_DISCOVERY`` and its companions)."""
+    """Where ranks register in etcd (``KVXFER_DISCOVERY`` and its companions)."""
 
     url: str
     cluster: str
     engine_id: str | None
-    ttl: float
 
 
 def _discovery() -> Discovery | None:
@@ -98,8 +97,19 @@ def _discovery() -> Discovery | None:
         url,
         os.environ.get("KVXFER_CLUSTER", "default"),
         os.environ.get("KVXFER_ENGINE_ID") or None,
-        float(os.environ.get("KVXFER_LEASE_TTL", "10")),
     )
+
+
+def _lease_ttl() -> float:
+    """``KVXFER_LEASE_TTL`` (a prefill's registration lease), checked."""
+    raw = os.environ.get("KVXFER_LEASE_TTL", "10")
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = float("nan")
+    if not 2.0 <= ttl <= 3600.0:  # NaN too
+        raise ValueError(f"KVXFER_LEASE_TTL={raw!r}: expected seconds, 2 to 3600")
+    return ttl
 
 
 def _engine_id(registry: tuple[str, int]) -> str:
@@ -198,7 +208,7 @@ class KvxferKVManager(CommonKVManager):
                     engine_id,
                     registry,
                     uuid.uuid4().int & (2**64 - 1),
-                    disc.ttl,
+                    _lease_ttl(),
                 )
                 directory = f"etcd cluster {disc.cluster!r} as {engine_id!r}"
         else:
@@ -290,9 +300,10 @@ class KvxferKVManager(CommonKVManager):
         self.prefill_info_table.pop(bootstrap_addr, None)
 
 
-GONE = ("heartbeats", "registry", "connect", "refused", "timed out")
+GONE = ("heartbeats", "registry", "connect", "refused", "timed out", "etcd")
 """Words of the failures after which a decode asks a prefill's bootstrap server again: the
-prefill missed heartbeats, or its registry or a rank could not be reached."""
+prefill missed heartbeats, its registry or a rank could not be reached, or etcd knew no
+(whole) prefill at its registry's address."""
 
 
 class _Room:
