@@ -254,12 +254,10 @@ fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
         return;
     }
     let dead = format!("etcd://127.0.0.1:{}", free_port());
-    for args in [
-        vec!["serve", "--port", &free_port(), "--duration", "5"],
-        vec!["bench", "--requests", "1"],
-    ] {
+    // `args` with discovery at `dead`: exit code and standard error.
+    let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
-            .args(&args)
+            .args(args)
             .args([
                 "--transport",
                 "ucx",
@@ -271,8 +269,17 @@ fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
             .args(SHAPE)
             .output()
             .expect("run kvxfer");
-        let err = plain(&String::from_utf8_lossy(&out.stderr));
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        (
+            out.status.code(),
+            plain(&String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    for args in [
+        vec!["serve", "--port", &free_port(), "--duration", "5"],
+        vec!["bench", "--requests", "1"],
+    ] {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(
             err.contains("etcd unreachable at 127.0.0.1:"),
             "{args:?}: {err}"
@@ -280,29 +287,16 @@ fn an_unreachable_etcd_is_a_clear_error_for_serve_and_bench() {
     }
     // An address peers cannot reach is refused before etcd is asked.
     for host in ["0.0.0.0", "::", "[::]"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
-            .args([
-                "serve",
-                "--host",
-                host,
-                "--port",
-                &free_port(),
-                "--duration",
-                "5",
-            ])
-            .args([
-                "--transport",
-                "ucx",
-                "--discovery",
-                &dead,
-                "--engine-id",
-                "p",
-            ])
-            .args(SHAPE)
-            .output()
-            .expect("run kvxfer");
-        let err = plain(&String::from_utf8_lossy(&out.stderr));
-        assert_eq!(out.status.code(), Some(2), "{host}: {err}");
+        let (code, err) = run(&[
+            "serve",
+            "--host",
+            host,
+            "--port",
+            &free_port(),
+            "--duration",
+            "5",
+        ]);
+        assert_eq!(code, Some(2), "{host}: {err}");
         assert!(err.contains("--host is registered"), "{host}: {err}");
     }
 }

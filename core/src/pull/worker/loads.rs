@@ -290,20 +290,17 @@ impl<T: Transport> PullWorker<T> {
     /// wait (neither ended nor loading), once per engine: the time since the prefill
     /// finished is already spent from their leases.
     pub(super) fn heartbeat_new_waits(&mut self, waits: &[RecvRequest]) {
-        let mut by_engine: Vec<(&str, Vec<&str>)> = Vec::new();
+        let mut by_engine: Vec<(String, Vec<String>)> = Vec::new();
         for w in waits
             .iter()
             .filter(|w| self.waiting.contains_key(&w.req_id))
         {
+            let id = w.remote_req_id.clone();
             match by_engine.iter_mut().find(|(e, _)| *e == w.engine_id) {
-                Some((_, ids)) => ids.push(&w.remote_req_id),
-                None => by_engine.push((&w.engine_id, vec![&w.remote_req_id])),
+                Some((_, ids)) => ids.push(id),
+                None => by_engine.push((w.engine_id.clone(), vec![id])),
             }
         }
-        let by_engine: Vec<(String, Vec<String>)> = by_engine
-            .into_iter()
-            .map(|(e, ids)| (e.to_owned(), ids.into_iter().map(str::to_owned).collect()))
-            .collect();
         for (engine_id, ids) in by_engine {
             let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
             self.send_heartbeat(&engine_id, &ids);
