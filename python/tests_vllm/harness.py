@@ -20,6 +20,23 @@ KVXFER = ("KvxferConnector", "kvxfer.vllm")
 _handed_out: set[int] = set()
 
 
+def pinned(cpus: str) -> list[str]:
+    """`taskset` arguments that keep a whole engine (front end, EngineCore, workers and
+    their threads) on the cores `cpus` names (vLLM's OMP binding syntax: "0", "0|1"), as
+    on a host of its own. A stock vLLM engine spins (NIXL's progress thread polls without
+    sleeping, and EngineCore steps back-to-back while it holds blocks for a decode): left
+    to float on a 2-core machine it starves the engine it hands off to until its lease runs
+    out. Nothing is pinned where those cores are not all this process's to give."""
+    cores: set[int] = set()
+    for item in cpus.replace("|", ",").split(","):
+        first, _, last = item.strip().partition("-")
+        if first:
+            cores.update(range(int(first), int(last or first) + 1))
+    if not cores or not cores <= os.sched_getaffinity(0):
+        return []
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(cores))]
+
+
 def free_port() -> int:
     """A free port below Linux's ephemeral range (32768+), so that the sockets vLLM opens on
     ephemeral ports meanwhile cannot take it before the engine binds it."""
@@ -87,6 +104,7 @@ class Engine:
         self.log = open(self.log_path, "a")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
+                *pinned(cpus),
                 sys.executable,
                 str(HERE / "engine.py"),
                 name,
