@@ -24,9 +24,25 @@ fn ucx_version(py: Python<'_>) -> PyResult<String> {
         .map_err(errors::transport)
 }
 
+/// Sends the core's logs to stderr, where engines collect their workers' output: warnings
+/// by default, or what `KVXFER_LOG` asks (a `RUST_LOG`-style filter, e.g. `kvxfer_core=debug`).
+/// A process that already installed a subscriber keeps it.
+fn init_logging() {
+    let filter = std::env::var("KVXFER_LOG")
+        .ok()
+        .and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+}
+
 /// The extension module.
 #[pymodule]
 fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add_class::<agent::Agent>()?;

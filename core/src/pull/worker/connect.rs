@@ -37,6 +37,7 @@ impl<T: Transport> PullWorker<T> {
         let started = self.clock.now();
         let (protocol, remote_tp) = (req.protocol, req.remote_tp_size);
         let compat = self.config.vllm.clone();
+        tracing::debug!(engine = %engine_id, %host, port, "handshake started");
         // Linux keeps a thread's first 15 bytes as its name (`top -H`, /proc): a short
         // prefix leaves room for the engine id.
         // The engine id comes from the request's parameters: a NUL in a thread's name
@@ -91,16 +92,19 @@ impl<T: Transport> PullWorker<T> {
             .as_ref()
             .ok()
             .and_then(|(_, ranks)| ranks.iter().find_map(|(_, f)| f.clock_offset));
+        // Loading peers runs on the engine's thread: how long it took is worth a log line.
+        let connecting = std::time::Instant::now();
         let ready = outcome
             .result
             .and_then(|(remote_tp, metas)| self.connect(remote_tp, metas));
+        let connect_ms = connecting.elapsed().as_millis();
         match ready {
             Ok((mapping, ranks)) => {
                 self.metrics.handshakes.tally(1);
                 self.metrics
                     .handshake_time
                     .tally(self.clock.now().saturating_sub(outcome.started));
-                tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), "connected to prefill engine");
+                tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), connect_ms, "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
                 self.engines.insert(
                     outcome.engine_id.clone(),

@@ -128,6 +128,12 @@ pub(super) fn stock_handshake(
         };
         let reply =
             fetch_vllm(at.host, at.port, request, timeout, limit).map_err(|e| e.to_string())?;
+        tracing::debug!(
+            engine = at.engine_id,
+            tp_rank,
+            round_trip_s = reply.round_trip,
+            "stock prefill answered"
+        );
         if reply.payload.compatibility_hash != ours {
             let why = compat
                 .factors
