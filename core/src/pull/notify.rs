@@ -39,9 +39,17 @@ pub fn heartbeat(req_id: &str) -> Vec<u8> {
     format!("{HEARTBEAT_PREFIX}{req_id}").into_bytes()
 }
 
-/// vLLM 0.32's heartbeat for `req_ids` (which must not contain commas).
-pub fn vllm_heartbeat(req_ids: &[&str]) -> Vec<u8> {
-    format!("{VLLM_HEARTBEAT_PREFIX}{}", req_ids.join(",")).into_bytes()
+/// vLLM 0.32's heartbeat for `req_ids`, and the ids it cannot name. vLLM splits the list at
+/// commas, so an id holding one would renew the leases of the requests its parts name (and
+/// not its own), and an empty one names nothing: those are left out, for the caller to
+/// report. `None` where no id is left.
+pub fn vllm_heartbeat<'a>(req_ids: &[&'a str]) -> (Option<Vec<u8>>, Vec<&'a str>) {
+    let (named, left_out): (Vec<&str>, Vec<&str>) = req_ids
+        .iter()
+        .partition(|id| !id.is_empty() && !id.contains(','));
+    let note = (!named.is_empty())
+        .then(|| format!("{VLLM_HEARTBEAT_PREFIX}{}", named.join(",")).into_bytes());
+    (note, left_out)
 }
 
 /// Parses a notification; anything else is `None` (dropped and counted by the caller).
@@ -76,8 +84,10 @@ mod tests {
             parse(&heartbeat("r")),
             Some(PullNote::Heartbeat { req_id: "r" })
         );
+        let (note, left_out) = vllm_heartbeat(&["0-a1", "1-b2"]);
+        assert!(left_out.is_empty());
         assert_eq!(
-            parse(&vllm_heartbeat(&["0-a1", "1-b2"])),
+            parse(&note.unwrap()),
             Some(PullNote::Heartbeats {
                 req_ids: "0-a1,1-b2"
             })
@@ -96,5 +106,16 @@ mod tests {
         ] {
             assert_eq!(parse(junk), None, "{junk:?}");
         }
+    }
+
+    /// vLLM splits a heartbeat at commas: an id holding one, or an empty one, is left out
+    /// and reported rather than renewing other requests' leases.
+    #[test]
+    fn a_vllm_heartbeat_leaves_out_ids_vllm_would_split() {
+        let (note, left_out) = vllm_heartbeat(&["a", "b,c", "", "d"]);
+        assert_eq!(note.as_deref(), Some(&b"HB:a,d"[..]));
+        assert_eq!(left_out, ["b,c", ""]);
+        assert_eq!(vllm_heartbeat(&["x,y"]), (None, vec!["x,y"]));
+        assert_eq!(vllm_heartbeat(&[]), (None, vec![]));
     }
 }

@@ -355,8 +355,12 @@ impl<T: Transport> PullWorker<T> {
             return;
         };
         for rank in ranks.values().filter(|r| r.lease_aware) {
-            let notes = if rank.stock {
-                vec![notify::vllm_heartbeat(ids)]
+            let notes: Vec<Vec<u8>> = if rank.stock {
+                let (note, left_out) = notify::vllm_heartbeat(ids);
+                if !left_out.is_empty() {
+                    tracing::warn!(engine = engine_id, ids = ?left_out, "request ids a stock vLLM prefill would split at their commas get no heartbeat: their leases may run out");
+                }
+                note.into_iter().collect()
             } else {
                 ids.iter().map(|id| notify::heartbeat(id)).collect()
             };
