@@ -1,7 +1,7 @@
 """KvxferConnector against vLLM's own NixlConnector, side by side in one run, on the same vLLM,
-model, prompts and machine: a prefill and a decode engine per connector (the prefill's
-worker bound to core 0, the decode's to core 1), pull mode, both connectors instrumented the
-same way (timed_connectors).
+model, prompts and machine: a prefill and a decode engine per connector (the prefill engine
+on core 0, the decode engine on core 1: harness.pinned), pull mode, both connectors
+instrumented the same way (timed_connectors).
 
 Per connector: the prefill computes the prompts once (warm-up, with prefix caching on, so
 later batches cost it one block each), the decode pulls one warm-up batch (handshakes), then
