@@ -342,10 +342,9 @@ impl<T: Transport> PullWorker<T> {
             .filter(|r| r.engine_id == engine_id)
             .map(|r| r.remote_req_id.clone())
             .collect();
-        if !ids.is_empty() {
-            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-            self.send_heartbeat(engine_id, &ids);
-        }
+        // No ids, no note: a stock rank gets none (vllm_heartbeat), a kvxfer rank one per id.
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        self.send_heartbeat(engine_id, &ids);
     }
     /// Extends the leases of `ids` (the prefill's request ids) on each connected rank of
     /// `engine_id` that keeps leases: a stock vLLM rank gets one `HB:` note naming all of
