@@ -88,6 +88,17 @@ impl EtcdServer {
         }
     }
 
+    /// Stops (`true`, SIGSTOP) or resumes (`false`, SIGCONT) etcd: connections open, no
+    /// answers, as a store that hangs.
+    pub fn freeze(&mut self, frozen: bool) {
+        if let Some(c) = &self.child {
+            if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+                // SAFETY: a signal to our own child, which is alive (not yet waited for).
+                unsafe { libc::kill(pid, if frozen { libc::SIGSTOP } else { libc::SIGCONT }) };
+            }
+        }
+    }
+
     /// Starts etcd again on the same ports; `keep_data: false` starts it empty (a lost
     /// member), which loses every key and lease.
     pub fn restart(&mut self, keep_data: bool) {

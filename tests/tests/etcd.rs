@@ -237,6 +237,35 @@ fn etcd_stopped_mid_run_keeps_the_view_and_both_sides_recover_when_it_returns() 
 }
 
 #[test]
+fn lookups_answer_from_the_last_view_while_etcd_hangs() {
+    with_etcd("etcd hanging", |s| {
+        let c = client(s);
+        let (w, rx) = watch(&c, "c1");
+        let reg =
+            Registrar::start(c.clone(), Duration::from_secs(30), ranks("c1", "p0", 1, 1)).unwrap();
+        expect_ready(&rx, "p0");
+        s.freeze(true);
+        // The watch's probe goes unanswered; from then on the watcher ranges again and again,
+        // each range waiting out the client's call timeout.
+        wait_until("the watcher notices", || !w.status().connected);
+        let mut slowest = Duration::ZERO;
+        let until = Instant::now() + 3 * CALL;
+        while Instant::now() < until {
+            let t = Instant::now();
+            assert!(
+                w.engine(Role::Prefill, "p0").is_some(),
+                "the last view stays"
+            );
+            slowest = slowest.max(t.elapsed());
+        }
+        s.freeze(false);
+        // Ranging under the lock made a lookup wait for a whole range: the call timeout.
+        assert!(slowest < CALL / 4, "a lookup waited {slowest:?} for etcd");
+        drop(reg);
+    });
+}
+
+#[test]
 fn a_watch_from_a_compacted_revision_is_told_so() {
     with_etcd("compaction", |s| {
         let c = client(s);

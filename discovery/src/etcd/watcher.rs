@@ -63,12 +63,11 @@ impl Watcher {
         prefix: String,
     ) -> Result<(Watcher, Receiver<Change>), EtcdError> {
         let (tx, rx) = unbounded();
-        let mut shared = Shared {
+        let shared = Arc::new(Mutex::new(Shared {
             membership: Membership::new(),
             status: WatchStatus::default(),
-        };
-        let revision = resync(&client, &prefix, &mut shared, &tx)?;
-        let shared = Arc::new(Mutex::new(shared));
+        }));
+        let revision = resync(&client, &prefix, &shared, &tx)?;
         let (stop, stopped) = bounded(1);
         let run = Run {
             client,
@@ -161,13 +160,15 @@ impl Drop for Watcher {
 }
 
 /// Ranges the prefix into the membership, sends what changed; returns the revision read at.
+/// The range runs without the lock: lookups keep the last view while etcd is slow to answer.
 fn resync(
     client: &EtcdClient,
     prefix: &str,
-    shared: &mut Shared,
+    shared: &Mutex<Shared>,
     tx: &Sender<Change>,
 ) -> Result<i64, EtcdError> {
     let (revision, kvs) = client.range_prefix(prefix.as_bytes())?;
+    let mut shared = shared.lock().unwrap_or_else(PoisonError::into_inner);
     let changes = shared
         .membership
         .resync(kvs.iter().map(|kv| (&kv.key[..], &kv.value[..])));
@@ -227,11 +228,7 @@ impl Run {
             }
             // Range again until etcd answers, keeping the last view meanwhile.
             loop {
-                let r = {
-                    let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
-                    resync(&self.client, &self.prefix, &mut shared, &self.tx)
-                };
-                match r {
+                match resync(&self.client, &self.prefix, &self.shared, &self.tx) {
                     Ok(rev) => {
                         revision = rev;
                         break;
