@@ -46,6 +46,8 @@ pub struct DecodeRoom {
     /// Agents that noted an abort (only the room's prefill ranks count).
     aborts: HashSet<String>,
     ranks: Vec<RankInfo>,
+    /// The prefill instance the bootstrap answered for.
+    pub(super) instance: Option<u64>,
     error: Option<String>,
 }
 
@@ -73,6 +75,7 @@ impl DecodeRoom {
             states: HashSet::new(),
             aborts: HashSet::new(),
             ranks: Vec::new(),
+            instance: None,
             error: None,
         }
     }

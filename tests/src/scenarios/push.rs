@@ -432,7 +432,8 @@ pub fn abort_reaches_the_other_side<F: TransportFactory>(f: &F) {
 }
 
 /// A prefill restarted at the same registry address serves new rooms; the decode registers
-/// with the new instance once.
+/// with the new instance once, and a room the old instance was to fill fails as soon as a
+/// bootstrap shows the restart (its liveness probes still succeed: the address answers).
 pub fn restarted_prefill_at_the_same_address_serves_new_rooms<F: TransportFactory>(f: &F) {
     let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
     let c = clock();
@@ -443,6 +444,11 @@ pub fn restarted_prefill_at_the_same_address_serves_new_rooms<F: TransportFactor
         vec![RoomStatus::Success]
     );
     let port = pre.registry.port();
+    // Room 10 bootstraps against the old instance, which never sends it.
+    dec.ranks[0].add_room(10, ("127.0.0.1", port), vec![7], None, vec![]);
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(10) == Some(RoomStatus::WaitingForInput)
+    });
     drop(pre);
     // A new instance binds the same registry port, with new agents and memory.
     let registry = (0..100)
@@ -465,6 +471,9 @@ pub fn restarted_prefill_at_the_same_address_serves_new_rooms<F: TransportFactor
         ),
         vec![RoomStatus::Success]
     );
+    assert_eq!(dec.ranks[0].status(10), Some(RoomStatus::Failed));
+    let e = dec.ranks[0].error(10).unwrap();
+    assert!(e.contains("restarted"), "{e}");
     // The decode registered with the new instance once, not again for each later room.
     assert_eq!(
         run_room(

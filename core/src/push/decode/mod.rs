@@ -249,6 +249,28 @@ impl<T: Transport> PushDecode<T> {
         self.heartbeat(now);
     }
 
+    /// Fails the live rooms that bootstrapped against instance `old` of the prefill at
+    /// `addr`, now `new`: what they wait for was to come from the old process. Its ranks
+    /// are told, as for a room that timed out: where only some of them restarted (one
+    /// instance per engine in etcd), the others may still write.
+    fn end_rooms_of(&mut self, addr: &(String, u16), old: u64, new: u64) {
+        let mut ended = Vec::new();
+        for (id, r) in &mut self.rooms {
+            if r.addr == *addr && r.instance == Some(old) && !r.status().is_final() {
+                r.fail(format!(
+                    "the prefill at {}:{} restarted (instance {old:#x}, now {new:#x})",
+                    addr.0, addr.1
+                ));
+                ended.push((*id, r.ranks().to_vec()));
+            }
+        }
+        for (room, ranks) in ended {
+            if !ranks.is_empty() {
+                self.submit(Job::Abort { room, ranks });
+            }
+        }
+    }
+
     fn on_done(&mut self, done: Done) {
         match done {
             Done::Bootstrapped {
@@ -265,14 +287,20 @@ impl<T: Transport> PushDecode<T> {
                     last_probe: self.clock.now(),
                     probing: false,
                 });
-                if p.instance != instance {
+                let restarted = (p.instance != instance).then(|| {
                     // A restarted prefill: forget what was registered with the old one.
+                    let old = p.instance;
                     p.instance = instance;
                     p.registered.clear();
-                }
+                    old
+                });
                 p.registered.extend(registered);
+                if let Some(old) = restarted {
+                    self.end_rooms_of(&addr, old, instance);
+                }
                 match self.rooms.get_mut(&room) {
                     Some(r) if !r.status().is_final() => {
+                        r.instance = Some(instance);
                         r.bootstrapped(ranks, self.config.tp, self.sharding);
                     }
                     // Aborted, timed out or forgotten while its destinations were on their way:
