@@ -18,7 +18,7 @@ use kvxfer_layout::HeadSharding;
 use super::buffers::PushBuffers;
 use super::decode_room::DecodeRoom;
 use super::directory::{PrefillDirectory, RegistryDirectory};
-use super::messages::{self, PushNote, RegisterArgs, RoomRequest};
+use super::messages::{self, PushNote, RankInfo, RegisterArgs, RoomRequest};
 use super::status::RoomStatus;
 use crate::clock::Clock;
 use crate::tally::Tally;
@@ -241,11 +241,7 @@ impl<T: Transport> PushDecode<T> {
                 timed_out.push((*id, r.ranks().to_vec()));
             }
         }
-        for (room, ranks) in timed_out {
-            if !ranks.is_empty() {
-                self.submit(Job::Abort { room, ranks });
-            }
-        }
+        self.abort_ranks(timed_out);
         self.heartbeat(now);
     }
 
@@ -264,7 +260,12 @@ impl<T: Transport> PushDecode<T> {
                 ended.push((*id, r.ranks().to_vec()));
             }
         }
-        for (room, ranks) in ended {
+        self.abort_ranks(ended);
+    }
+
+    /// Tells the prefill ranks of rooms the decode gave up on to drop them.
+    fn abort_ranks(&mut self, rooms: Vec<(u64, Vec<RankInfo>)>) {
+        for (room, ranks) in rooms {
             if !ranks.is_empty() {
                 self.submit(Job::Abort { room, ranks });
             }
