@@ -35,7 +35,8 @@ fn bench_prints_the_table_and_writes_json() {
         "descriptors raw -> posted",
         "handshake",
         "first transfer",
-        "ratio to memcpy",
+        "ratio to memcpy / ceiling",
+        "copy ceiling, same pieces",
         "all correct",
     ] {
         assert!(out.contains(field), "missing {field}: {out}");
@@ -53,10 +54,23 @@ fn bench_prints_the_table_and_writes_json() {
         "first_transfer_ms",
         "memcpy_gb_per_s",
         "ratio_to_memcpy",
+        "ceiling_gb_per_s",
+        "ceiling_threads",
+        "ratio_to_ceiling",
         "verified_bytes",
     ] {
         assert!(v.get(key).is_some(), "JSON lacks {key}: {v}");
     }
+    // The ceiling ran on every core, and the ratio is the one the figures give.
+    let cores = std::thread::available_parallelism().unwrap().get() as u64;
+    assert_eq!(v["ceiling_threads"].as_u64(), Some(cores));
+    let (gb, ceiling) = (
+        v["gb_per_s"].as_f64().unwrap(),
+        v["ceiling_gb_per_s"].as_f64().unwrap(),
+    );
+    assert!(ceiling > 0.0, "{v}");
+    let ratio = v["ratio_to_ceiling"].as_f64().unwrap();
+    assert!((ratio - gb / ceiling).abs() < 1e-9 * ratio.max(1.0), "{v}");
     assert_eq!(v["requests"], 3);
     assert!(v["verified_bytes"].as_u64().unwrap() > 0);
     let _ = std::fs::remove_dir_all(&dir);

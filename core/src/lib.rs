@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod clock;
+pub mod host_copy;
 pub mod host_mem;
 pub mod plan;
 pub mod pull;

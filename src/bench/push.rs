@@ -15,7 +15,7 @@ use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 use super::blocks::{choose, source_blocks};
 use super::discovery::{push_directory, register_push};
 use super::rank::Rank;
-use super::timing::{finish, memcpy_baseline, ms};
+use super::timing::{POLL_PAUSE, ceiling_baseline, finish, mean_piece, memcpy_baseline, ms};
 use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
@@ -337,14 +337,20 @@ pub(super) fn run(
         progress(next, total);
     }
     let source = pre.as_ref().map_or(&dec.ranks[0].mem, |p| &p.ranks[0].mem);
-    let memcpy = memcpy_baseline(source, moved, dec.ranks[0].spec.block_len() as usize);
+    let piece = dec.ranks[0].spec.block_len() as usize;
+    let memcpy = memcpy_baseline(source, moved, piece);
+    let ceiling = ceiling_baseline(
+        source,
+        moved,
+        mean_piece(moved, metrics.descriptors_posted).unwrap_or(piece),
+    );
     report.prefill_elsewhere = pre.is_none();
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
     report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
     report.library(&metrics.backend);
-    finish(&mut report, c, latencies, moved, measured, memcpy);
+    finish(&mut report, c, latencies, moved, measured, memcpy, ceiling);
     Ok(report)
 }
 
@@ -384,7 +390,7 @@ fn wait(
                 "push rooms did not complete within 300 s".into(),
             ));
         }
-        std::thread::yield_now();
+        std::thread::sleep(POLL_PAUSE);
     }
 }
 

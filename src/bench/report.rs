@@ -53,6 +53,12 @@ pub struct BenchReport {
     pub memcpy_gb_per_s: f64,
     /// Throughput divided by memcpy's.
     pub ratio_to_memcpy: f64,
+    /// The machine's copy ceiling for the same piece size: all cores, streaming stores.
+    pub ceiling_gb_per_s: f64,
+    /// Threads the ceiling ran on (all cores).
+    pub ceiling_threads: usize,
+    /// Throughput divided by the ceiling.
+    pub ratio_to_ceiling: f64,
     /// Bytes compared against the prefill's contents.
     pub verified_bytes: u64,
     /// Transfers the transport library measured itself (NIXL telemetry; 0 elsewhere).
@@ -148,7 +154,20 @@ impl BenchReport {
                 "memcpy, same bytes",
                 format!("{:.2} GB/s (1 thread)", self.memcpy_gb_per_s),
             ),
-            ("ratio to memcpy", format!("{:.2}x", self.ratio_to_memcpy)),
+            (
+                "copy ceiling, same pieces",
+                format!(
+                    "{:.2} GB/s ({} threads, streaming stores)",
+                    self.ceiling_gb_per_s, self.ceiling_threads
+                ),
+            ),
+            (
+                "ratio to memcpy / ceiling",
+                format!(
+                    "{:.2}x / {:.2}x",
+                    self.ratio_to_memcpy, self.ratio_to_ceiling
+                ),
+            ),
             (
                 "verified",
                 format!("{} bytes, all correct", self.verified_bytes),
@@ -156,7 +175,7 @@ impl BenchReport {
         ];
         if self.library_reports > 0 {
             rows.insert(
-                rows.len() - 3,
+                rows.len() - 4,
                 (
                     "library post / transfer",
                     format!(

@@ -1,9 +1,18 @@
-//! The bench's clocks: the memcpy baseline measured in the same run, and the report's
-//! timing fields.
+//! The bench's clocks: the baselines measured in the same run (1-thread memcpy, and the
+//! machine's copy ceiling), and the report's timing fields.
 
 use std::time::{Duration, Instant};
 
+use kvxfer_core::host_copy::{self, Method};
+
+use super::blocks::xorshift;
 use super::{BenchConfig, BenchReport};
+
+/// The pause between two polls of a wave's progress. A poller that only yields keeps a core
+/// busy and takes it from the transport's copy workers: on a 2-core machine that cost the
+/// loopback about a third of its copy rate. 50 µs (about 0.1 ms with timer slack) is well
+/// under a request's latency.
+pub(crate) const POLL_PAUSE: Duration = Duration::from_micros(50);
 
 /// Single-thread memcpy of `bytes` bytes from `src` in pieces of `piece` bytes (wrapping
 /// around the source and a 256 MiB destination): the baseline every ratio is taken against.
@@ -32,6 +41,64 @@ pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration 
     t.elapsed()
 }
 
+/// The machine's copy ceiling for pieces of `piece` bytes, in GB/s: `bytes` bytes (at most
+/// 1 GiB a pass, best of five passes) as pieces at random piece-aligned places in `src`
+/// copied to random places in a pre-touched 256 MiB destination, on all cores (each its own
+/// part of the destination), with streaming stores where the CPU has them. Returns the
+/// figure and the threads used.
+pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize) -> (f64, usize) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut scratch = kvxfer_core::host_mem::HostMem::new(src.len().min(256 << 20), 1);
+    let part_len = scratch.len() / threads;
+    let piece = piece.min(src.len()).min(part_len).max(1);
+    let per_thread = (bytes.min(1 << 30) / threads as u64).div_ceil(piece as u64) as usize;
+    let (src_slots, dst_slots) = ((src.len() / piece) as u64, (part_len / piece) as u64);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let places: Vec<Vec<(usize, usize)>> = (0..threads)
+        .map(|_| {
+            (0..per_thread)
+                .map(|_| {
+                    let s = (xorshift(&mut state) % src_slots) as usize * piece;
+                    let d = (xorshift(&mut state) % dst_slots) as usize * piece;
+                    (s, d)
+                })
+                .collect()
+        })
+        .collect();
+    let method = if host_copy::streaming_supported() {
+        Method::Streaming
+    } else {
+        Method::Plain
+    };
+    let mut best = Duration::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        std::thread::scope(|scope| {
+            let parts = scratch.as_mut_slice().chunks_mut(part_len.max(1));
+            for (part, places) in parts.zip(&places) {
+                scope.spawn(move || {
+                    for &(s, d) in places {
+                        let (from, to) = (&src[s..s + piece], &mut part[d..d + piece]);
+                        // SAFETY: two slices of `piece` bytes, one borrowed mutably.
+                        unsafe { host_copy::copy(to.as_mut_ptr(), from.as_ptr(), piece, method) };
+                    }
+                    host_copy::fence(method);
+                });
+            }
+        });
+        best = best.min(t.elapsed());
+    }
+    std::hint::black_box(&scratch);
+    let moved = (threads * per_thread * piece) as f64;
+    (moved / best.as_secs_f64().max(1e-9) / 1e9, threads)
+}
+
+/// The mean size of the descriptors the measured requests posted: the pieces the ceiling
+/// copies. None when nothing was posted here (a prefill in another process posts).
+pub(crate) fn mean_piece(moved: u64, posted: u64) -> Option<usize> {
+    (posted > 0).then(|| (moved / posted).max(1) as usize)
+}
+
 /// Fills the timing fields of `report` from latencies and totals.
 pub(crate) fn finish(
     report: &mut BenchReport,
@@ -40,6 +107,7 @@ pub(crate) fn finish(
     moved: u64,
     measured: Duration,
     memcpy: Duration,
+    ceiling: (f64, usize),
 ) {
     latencies.sort();
     let pct = |p: f64| {
@@ -56,6 +124,8 @@ pub(crate) fn finish(
     report.latency_p99_ms = ms(pct(0.99));
     report.memcpy_gb_per_s = moved as f64 / memcpy.as_secs_f64().max(1e-9) / 1e9;
     report.ratio_to_memcpy = memcpy.as_secs_f64() / measured.as_secs_f64().max(1e-9);
+    (report.ceiling_gb_per_s, report.ceiling_threads) = ceiling;
+    report.ratio_to_ceiling = report.gb_per_s / ceiling.0.max(1e-9);
     report.describe(c);
 }
 

@@ -119,7 +119,8 @@ pub(crate) struct Shape {
 #[derive(Subcommand)]
 pub(crate) enum Command {
     /// Run a prefill and a decode engine in one process, move a batch of requests, verify
-    /// every byte, and print throughput, latency and the ratio to memcpy of the same bytes.
+    /// every byte, and print throughput, latency and the ratios to memcpy of the same bytes and
+    /// to the machine's copy ceiling.
     #[command(args_override_self = true)]
     Bench {
         #[command(flatten)]

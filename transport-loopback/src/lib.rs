@@ -27,7 +27,7 @@ use kvxfer_core::{
 use agent::{AgentShared, Pin};
 pub use faults::Faults;
 pub use metadata::{AgentMetadata, MAX_NAME_LEN, MAX_REGIONS};
-use pool::{CopyPool, Job};
+use pool::{CopyPool, Job, Split};
 use xfer::{CopyPair, PendingNotification, XferState};
 
 /// How long `release` waits for the copies of a transfer it cancels.
@@ -288,7 +288,8 @@ impl LoopbackTransport {
                 message: m.to_vec(),
             },
         });
-        let bounds = job_bounds(&pairs, self.pool.workers(), self.config.min_job_bytes);
+        let Split { bounds, method } =
+            pool::split(&pairs, self.pool.workers(), self.config.min_job_bytes);
         let jobs = bounds.len().max(1);
         let device = match kinds {
             (MemoryKind::Gpu { device }, _) | (_, MemoryKind::Gpu { device }) => Some(device),
@@ -311,6 +312,7 @@ impl LoopbackTransport {
                 xfer: Arc::clone(&x),
                 start,
                 end,
+                method,
             });
         }
         self.xfers.insert(id, x);
@@ -324,27 +326,6 @@ impl LoopbackTransport {
             self.config.max_notification_len,
         )
     }
-}
-
-/// Splits pairs into `(start, end)` jobs of about `total / (2 * workers)` bytes (at least
-/// `min_bytes`), so every worker gets a share of a large transfer.
-fn job_bounds(pairs: &[CopyPair], workers: usize, min_bytes: u64) -> Vec<(usize, usize)> {
-    let total: u64 = pairs.iter().map(|p| p.len).sum();
-    let target = (total / (2 * workers.max(1)) as u64).max(min_bytes).max(1);
-    let mut out = Vec::new();
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, p) in pairs.iter().enumerate() {
-        acc += p.len;
-        if acc >= target {
-            out.push((start, i + 1));
-            start = i + 1;
-            acc = 0;
-        }
-    }
-    if start < pairs.len() {
-        out.push((start, pairs.len()));
-    }
-    out
 }
 
 /// GPU memory is usable when built with `cuda` and a driver and the device exist.

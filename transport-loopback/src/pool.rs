@@ -5,14 +5,57 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvxfer_core::host_copy as copy;
 
-use crate::xfer::XferState;
+use crate::xfer::{CopyPair, XferState};
+
+/// Jobs per worker a large transfer is cut into: small enough that the last job of a
+/// transfer does not leave the other workers idle for long, large enough that queueing costs
+/// nothing next to the copy.
+const JOBS_PER_WORKER: u64 = 8;
 
 /// A slice of a transfer's pairs for one worker.
 pub struct Job {
     pub xfer: Arc<XferState>,
     pub start: usize,
     pub end: usize,
+    /// How its host pieces are copied (the same for every job of a transfer).
+    pub method: copy::Method,
+}
+
+/// A transfer cut into jobs.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Split {
+    /// `(start, end)` of each job in the transfer's pairs, in order, covering all of them.
+    pub bounds: Vec<(usize, usize)>,
+    /// Streaming stores when the whole transfer is too large to stay in cache.
+    pub method: copy::Method,
+}
+
+/// Cuts pairs into jobs of about `total / (JOBS_PER_WORKER * workers)` bytes (at least
+/// `min_bytes`), so every worker gets a share of a large transfer.
+pub fn split(pairs: &[CopyPair], workers: usize, min_bytes: u64) -> Split {
+    let total: u64 = pairs.iter().map(|p| p.len).sum();
+    let target = (total / (JOBS_PER_WORKER * workers.max(1) as u64))
+        .max(min_bytes)
+        .max(1);
+    let mut bounds = Vec::new();
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, p) in pairs.iter().enumerate() {
+        acc += p.len;
+        if acc >= target {
+            bounds.push((start, i + 1));
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < pairs.len() {
+        bounds.push((start, pairs.len()));
+    }
+    Split {
+        bounds,
+        method: copy::method_for(total),
+    }
 }
 
 /// Worker threads fed by a channel; dropping the pool lets them finish queued jobs and joins.
@@ -76,6 +119,7 @@ fn run(job: &Job) {
     if !x.has_failed() {
         match x.device {
             None => {
+                let method = job.method;
                 for p in &x.pairs[job.start..job.end] {
                     // SAFETY: every pair was validated at post time to lie inside a region
                     // registered (by us or the peer) as host memory, and those regions are
@@ -83,9 +127,11 @@ fn run(job: &Job) {
                     // waits for the pins, and registrants promise the memory stays valid
                     // until deregistration. `copy` tolerates overlap.
                     unsafe {
-                        std::ptr::copy(p.src as *const u8, p.dst as *mut u8, p.len as usize);
+                        copy::copy(p.dst as *mut u8, p.src as *const u8, p.len as usize, method);
                     }
                 }
+                // Streaming stores must be visible before `job_done` publishes completion.
+                copy::fence(method);
             }
             Some(device) => gpu_copy(job, device),
         }
@@ -109,4 +155,52 @@ fn gpu_copy(job: &Job, _device: u32) {
     // Unreachable in practice: GPU memory cannot be registered without the feature.
     job.xfer
         .fail("GPU copy requested in a build without the `cuda` feature");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(lens: &[u64]) -> Vec<CopyPair> {
+        lens.iter()
+            .map(|&len| CopyPair {
+                src: 0,
+                dst: 0,
+                len,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_large_transfer_gives_every_worker_several_jobs_covering_all_pairs() {
+        let p = pairs(&[1 << 20; 256]);
+        let s = split(&p, 2, 1 << 20);
+        assert_eq!(s.bounds.len(), 16);
+        assert_eq!(s.bounds[0].0, 0);
+        assert_eq!(s.bounds.last().unwrap().1, p.len());
+        assert!(s.bounds.windows(2).all(|w| w[0].1 == w[1].0));
+        assert_eq!(
+            s.method == copy::Method::Streaming,
+            copy::streaming_supported()
+        );
+    }
+
+    #[test]
+    fn a_small_transfer_is_one_plain_job() {
+        let p = pairs(&[4096; 64]);
+        let s = split(&p, 4, 1 << 20);
+        assert_eq!(s.bounds, vec![(0, 64)]);
+        assert_eq!(s.method, copy::Method::Plain);
+    }
+
+    #[test]
+    fn min_job_bytes_bounds_the_cut() {
+        let s = split(&pairs(&[1 << 20; 8]), 4, 4 << 20);
+        assert_eq!(s.bounds, vec![(0, 4), (4, 8)]);
+    }
+
+    #[test]
+    fn no_pairs_no_jobs() {
+        assert!(split(&[], 2, 1).bounds.is_empty());
+    }
 }
