@@ -73,6 +73,7 @@ impl CopyPool {
             let handle = std::thread::Builder::new()
                 .name(format!("kvxfer-copy-{name}-{i}"))
                 .spawn(move || {
+                    batch_scheduling();
                     for job in rx {
                         run(&job);
                     }
@@ -107,6 +108,26 @@ impl Drop for CopyPool {
         self.sender.take();
         for w in self.workers.drain(..) {
             let _ = w.join();
+        }
+    }
+}
+
+/// Marks the calling copy worker as batch work (Linux `SCHED_BATCH`): a worker woken by a
+/// new job then does not preempt the thread that posted it, which on a machine with fewer
+/// cores than workers plus engine threads would stall the engine in the middle of posting
+/// (the post of a 256 MiB request took 1.5 ms instead of 0.2 on 2 cores). Copies still get
+/// their full share of the cores; a failure only loses that preference.
+fn batch_scheduling() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
+        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+        if rc != 0 {
+            tracing::debug!(
+                "copy worker keeps its scheduling policy: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -197,6 +218,43 @@ mod tests {
     fn min_job_bytes_bounds_the_cut() {
         let s = split(&pairs(&[1 << 20; 8]), 4, 4 << 20);
         assert_eq!(s.bounds, vec![(0, 4), (4, 8)]);
+    }
+
+    /// The scheduling policy of each thread named `name` in this process, from
+    /// `/proc/self/task/*/stat` (field 41).
+    #[cfg(target_os = "linux")]
+    fn policies_of(name: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() != name {
+                continue;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap();
+            // Fields after the parenthesised name, which may hold spaces: field 3 onwards.
+            let rest = &stat[stat.rfind(')').unwrap() + 2..];
+            out.push(rest.split(' ').nth(41 - 3).unwrap().parse().unwrap());
+        }
+        out
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn copy_workers_are_batch_work() {
+        // Thread names show truncated to 15 bytes: both workers are "kvxfer-copy-zq-".
+        let pool = CopyPool::new(2, "zq").unwrap();
+        // The workers set their policy as they start: wait for both.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut seen = Vec::new();
+        while std::time::Instant::now() < deadline {
+            seen = policies_of("kvxfer-copy-zq-");
+            if seen.len() == 2 && seen.iter().all(|&p| p == libc::SCHED_BATCH as u32) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(seen, vec![libc::SCHED_BATCH as u32; 2]);
+        drop(pool);
     }
 
     #[test]
