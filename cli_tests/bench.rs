@@ -100,6 +100,51 @@ fn bench_hetero_tp_and_mla() {
     assert!(out.contains("deepseek-v3"), "{out}");
 }
 
+/// `--cache cross-layer`: every byte verified, in both modes and with head slices, and a
+/// request posts at most one descriptor per block (all 32 layers of a block are one run),
+/// where the model's split K/V cache posts 64 per block before coalescing.
+#[test]
+fn bench_cross_layer_cache() {
+    let dir = std::env::temp_dir().join(format!("kvxfer-cli-cross-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("out.json");
+    let path = json.to_str().unwrap().to_string();
+    for extra in [
+        &["--mode", "pull"][..],
+        &["--mode", "push"],
+        &["--tp", "2:1"],
+    ] {
+        let mut args = SMALL.to_vec();
+        args.extend(["--cache", "cross-layer", "--json", &path]);
+        args.extend(extra);
+        let (code, out, err) = kvxfer(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert!(out.contains("all correct"), "{out}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let (raw, posted) = (
+            v["descriptors_raw"].as_u64().unwrap(),
+            v["descriptors_posted"].as_u64().unwrap(),
+        );
+        // 3 requests of 64 tokens: 4 blocks each; 32 layers per block before coalescing.
+        let blocks = 3 * 4;
+        if extra == ["--tp", "2:1"] {
+            // Two prefill ranks each hold half the heads of every layer's page: one piece per
+            // layer, block and prefill rank.
+            assert_eq!(raw, blocks * 32 * 2, "{v}");
+        } else {
+            assert_eq!(raw, blocks * 32, "{v}");
+            assert!(posted <= blocks, "{extra:?}: {raw} -> {posted}");
+        }
+    }
+    let mut args = SMALL.to_vec();
+    args.extend(["--cache", "cross-layer", "--model", "deepseek-v3"]);
+    let (code, _, err) = kvxfer(&args);
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot be stored as cross-layer"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bench_push_mode() {
     let mut args = SMALL.to_vec();

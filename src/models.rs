@@ -78,6 +78,19 @@ impl fmt::Display for ModelShape {
 }
 
 impl ModelShape {
+    /// The same model with its cache stored as `kind`: attention models take any kind
+    /// but MLA; an MLA model keeps its latent cache.
+    pub fn with_kind(mut self, kind: CacheKind) -> Result<Self, kvxfer_layout::LayoutError> {
+        if (self.kind == CacheKind::Mla) != (kind == CacheKind::Mla) {
+            return Err(kvxfer_layout::LayoutError::Unsupported(format!(
+                "{} has a {} cache; it cannot be stored as {kind}",
+                self.name, self.kind
+            )));
+        }
+        self.kind = kind;
+        Ok(self)
+    }
+
     /// How heads shard under TP.
     pub fn sharding(&self) -> HeadSharding {
         match self.kind {

@@ -4,12 +4,19 @@
 use crate::error::in_range;
 use crate::{CacheKind, CacheSpec, LayoutError, Result};
 
-/// The regions of one layer: `[2l, 2l+1]` for split K/V, `[l]` otherwise.
+/// The regions of one layer: `[2l, 2l+1]` for split K/V, `[l]` otherwise. A cross-layer
+/// cache has no region of its own per layer (its one region's blocks hold every layer), so
+/// per-layer ids do not exist there: an error.
 pub fn layer_regions(spec: &CacheSpec, layer: u32) -> Result<std::ops::Range<u32>> {
     in_range(layer.into(), spec.num_layers().into(), "layer")?;
     let per_layer = match spec.kind() {
         CacheKind::SplitKv => 2,
         CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => 1,
+        CacheKind::CrossLayer => {
+            return Err(LayoutError::Unsupported(
+                "a cross-layer cache has no per-layer regions".into(),
+            ));
+        }
     };
     let overflow = LayoutError::Overflow { what: "region" };
     let first = layer.checked_mul(per_layer).ok_or(overflow.clone())?;
@@ -131,6 +138,14 @@ mod tests {
         assert!(descriptor_ids(&s, &[10], None).is_err());
         assert!(descriptor_ids(&s, &[1], Some(2)).is_err());
         assert!(descriptor_ids(&s, &[], None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_cross_layer_cache_numbers_whole_blocks_and_has_no_per_layer_ids() {
+        let c = spec(CacheKind::CrossLayer, 3, 10);
+        assert_eq!(descriptor_ids(&c, &[1, 4], None).unwrap(), vec![1, 4]);
+        assert!(layer_regions(&c, 0).is_err());
+        assert!(descriptor_ids(&c, &[1], Some(0)).is_err());
     }
 
     #[test]

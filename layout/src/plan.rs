@@ -559,17 +559,36 @@ pub fn plan_transfer_into(
         sorted: true,
         last: None,
     };
-    for layer in first..end {
-        let range = layer_pairs(pairs, layer)?;
-        let (sblocks, dblocks) = (&pairs.src[range.clone()], &pairs.dst[range]);
-        for &part in parts {
-            let sbase = src.part_base(layer, part)?;
-            let dbase = dst.part_base(layer, part)?;
-            emitter.emit(
-                sweep,
-                (sbase, src.spec.block_len(), sblocks),
-                (dbase, dst.spec.block_len(), dblocks),
-            );
+    if src.spec.kind() == CacheKind::CrossLayer && pairs.windows.is_none() {
+        // Every layer's page of a block sits in one run: block by block, layer by layer, the
+        // descriptors come in destination order and merge as they are emitted, with no sort.
+        let mut bases = Vec::with_capacity(end.saturating_sub(first) as usize);
+        for layer in first..end {
+            let part = Part::PackedKv;
+            bases.push((src.part_base(layer, part)?, dst.part_base(layer, part)?));
+        }
+        for (sb, db) in pairs.src.iter().zip(pairs.dst) {
+            for &(sbase, dbase) in &bases {
+                emitter.emit(
+                    sweep,
+                    (sbase, src.spec.block_len(), std::slice::from_ref(sb)),
+                    (dbase, dst.spec.block_len(), std::slice::from_ref(db)),
+                );
+            }
+        }
+    } else {
+        for layer in first..end {
+            let range = layer_pairs(pairs, layer)?;
+            let (sblocks, dblocks) = (&pairs.src[range.clone()], &pairs.dst[range]);
+            for &part in parts {
+                let sbase = src.part_base(layer, part)?;
+                let dbase = dst.part_base(layer, part)?;
+                emitter.emit(
+                    sweep,
+                    (sbase, src.spec.block_len(), sblocks),
+                    (dbase, dst.spec.block_len(), dblocks),
+                );
+            }
         }
     }
     // Emitted in destination order, every neighbour pair was already offered a merge, so

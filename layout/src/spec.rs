@@ -2,7 +2,7 @@
 //!
 //! A spec *describes* memory; it never allocates it. Regions are numbered the way vLLM's
 //! NixlConnector numbers them: split K/V gives `[K0, V0, K1, V1, ...]`; joint K/V, packed
-//! K/V and MLA give one region per layer.
+//! K/V and MLA give one region per layer; a cross-layer cache is one region.
 
 use std::fmt;
 use std::str::FromStr;
@@ -28,6 +28,14 @@ pub enum CacheKind {
     /// and the packed layout vLLM's GPU FlashAttention moved to. K and V move together, as
     /// one part ([`Part::PackedKv`]) whose head-token slot is `2 * head_dim` elements.
     PackedKv,
+    /// One region for every layer, block-outermost: each block holds every layer's page in
+    /// turn (layer `l` at `l * page`), and each page is packed K/V as in [`PackedKv`]. vLLM's
+    /// cross-layer layouts `BLHNC` (HND pages) and `BLNHC` (NHD pages), chosen with
+    /// `VLLM_KV_CACHE_LAYOUT` or by a connector's required layout: a block of every layer is
+    /// one contiguous run, so a request moves as one descriptor per run of blocks.
+    ///
+    /// [`PackedKv`]: CacheKind::PackedKv
+    CrossLayer,
 }
 
 impl fmt::Display for CacheKind {
@@ -37,6 +45,7 @@ impl fmt::Display for CacheKind {
             CacheKind::JointKv => "joint-kv",
             CacheKind::Mla => "mla",
             CacheKind::PackedKv => "packed-kv",
+            CacheKind::CrossLayer => "cross-layer",
         })
     }
 }
@@ -51,8 +60,9 @@ impl FromStr for CacheKind {
             "joint-kv" => Ok(CacheKind::JointKv),
             "mla" => Ok(CacheKind::Mla),
             "packed-kv" => Ok(CacheKind::PackedKv),
+            "cross-layer" => Ok(CacheKind::CrossLayer),
             other => Err(LayoutError::Unsupported(format!(
-                "unknown cache kind {other:?} (known: split-kv, joint-kv, mla, packed-kv)"
+                "unknown cache kind {other:?} (known: split-kv, joint-kv, mla, packed-kv, cross-layer)"
             ))),
         }
     }
@@ -101,7 +111,7 @@ pub enum Part {
     /// The MLA latent (the only part of an MLA layer).
     Latent,
     /// K and V of a packed cache, interleaved per head and token (the only part of a
-    /// packed layer).
+    /// packed layer, and of a layer's page in a cross-layer cache).
     PackedKv,
 }
 
@@ -133,13 +143,13 @@ pub struct CacheSpec {
     params: CacheParams,
     /// Bytes of one head of one token (K and V together in a packed cache).
     head_token_bytes: u64,
-    /// Bytes of one part (K, V or latent) of one block.
+    /// Bytes of one part (K, V or latent) of one block (of one layer's page, cross-layer).
     part_block_len: u64,
-    /// Bytes of one block of one region.
+    /// Bytes of one block of one region (every layer's page, cross-layer).
     block_len: u64,
     /// Bytes of one region.
     region_len: u64,
-    /// Regions: `2 * num_layers` for split K/V, `num_layers` otherwise.
+    /// Regions: `2 * num_layers` for split K/V, 1 cross-layer, `num_layers` otherwise.
     num_regions: u32,
     /// Bytes of one token slot of one block of one region.
     token_slot_bytes: u64,
@@ -207,10 +217,9 @@ impl CacheSpec {
                 params.kv_heads
             )));
         }
-        let vectors_per_slot = if params.kind == CacheKind::PackedKv {
-            2
-        } else {
-            1
+        let vectors_per_slot = match params.kind {
+            CacheKind::PackedKv | CacheKind::CrossLayer => 2,
+            CacheKind::SplitKv | CacheKind::JointKv | CacheKind::Mla => 1,
         };
         let head_elements = mul(params.head_dim.into(), vectors_per_slot, "head elements")?;
         let head_token_bytes = mul(head_elements, params.dtype.width(), "head bytes")?;
@@ -225,17 +234,22 @@ impl CacheSpec {
         } else {
             1
         };
-        let block_len = mul(part_block_len, parts_per_block, "block length")?;
+        let pages_per_block = match params.kind {
+            CacheKind::CrossLayer => params.num_layers.into(),
+            _ => parts_per_block,
+        };
+        let block_len = mul(part_block_len, pages_per_block, "block length")?;
         let region_len = mul(block_len, params.num_blocks.into(), "region length")?;
         let num_regions = match params.kind {
             // num_layers <= MAX_DIM, so doubling cannot overflow.
             CacheKind::SplitKv => params.num_layers.saturating_mul(2),
             CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => params.num_layers,
+            CacheKind::CrossLayer => 1,
         };
         // The whole cache must be addressable too.
         let total_bytes = mul(region_len, num_regions.into(), "cache size")?;
         // block_len / tokens_per_block, exactly.
-        let token_slot_bytes = mul(token_bytes, parts_per_block, "token slot bytes")?;
+        let token_slot_bytes = mul(token_bytes, pages_per_block, "token slot bytes")?;
         Ok(CacheSpec {
             params,
             head_token_bytes,
@@ -293,27 +307,30 @@ impl CacheSpec {
         self.params.num_blocks
     }
 
-    /// Number of regions: `2 * layers` for split K/V, `layers` otherwise.
+    /// Number of regions: `2 * layers` for split K/V, 1 for a cross-layer cache, `layers`
+    /// otherwise.
     pub fn num_regions(&self) -> u32 {
         self.num_regions
     }
 
     /// The parts of every layer: `[Key, Value]`, `[Latent]` for MLA, `[PackedKv]` for a
-    /// packed cache.
+    /// packed or cross-layer cache.
     pub fn parts(&self) -> &'static [Part] {
         match self.params.kind {
             CacheKind::Mla => &[Part::Latent],
-            CacheKind::PackedKv => &[Part::PackedKv],
+            CacheKind::PackedKv | CacheKind::CrossLayer => &[Part::PackedKv],
             CacheKind::SplitKv | CacheKind::JointKv => &[Part::Key, Part::Value],
         }
     }
 
-    /// Bytes of one block of one region (`block_len` in the reference).
+    /// Bytes of one block of one region (`block_len` in the reference); in a cross-layer
+    /// cache, the block of every layer.
     pub fn block_len(&self) -> u64 {
         self.block_len
     }
 
-    /// Bytes of one part (K, V or latent) of one block.
+    /// Bytes of one part (K, V or latent) of one block; in a cross-layer cache, one layer's
+    /// page of a block.
     pub fn part_block_len(&self) -> u64 {
         self.part_block_len
     }
@@ -350,6 +367,10 @@ impl CacheSpec {
             (CacheKind::JointKv, Part::Value) => (layer, self.part_block_len),
             (CacheKind::Mla, Part::Latent) => (layer, 0),
             (CacheKind::PackedKv, Part::PackedKv) => (layer, 0),
+            // layer < num_layers, and num_layers pages make a block the spec checked.
+            (CacheKind::CrossLayer, Part::PackedKv) => {
+                (0, u64::from(layer).saturating_mul(self.part_block_len))
+            }
             (kind, part) => {
                 return Err(LayoutError::Unsupported(format!(
                     "a {kind} cache has no {part:?} part"
@@ -595,6 +616,53 @@ mod tests {
         ));
     }
 
+    /// vLLM's BLHNC tensor: `[blocks, layers, heads, tokens, 2 * head_dim]`, strides in
+    /// elements `(L*H*N*C, H*N*C, N*C, C, 1)` with `C = 2 * head_dim`.
+    #[test]
+    fn cross_layer_matches_vllm_blhnc_strides() {
+        let (l, h, n, d, blocks) = (3u32, 2u32, 4u32, 8u32, 5u32);
+        let s = CacheSpec::new(CacheParams {
+            kind: CacheKind::CrossLayer,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: l,
+            kv_heads: h,
+            head_dim: d,
+            tokens_per_block: n,
+            num_blocks: blocks,
+        })
+        .unwrap();
+        let c = u64::from(2 * d);
+        let (l, h, n) = (u64::from(l), u64::from(h), u64::from(n));
+        let elt = 2;
+        assert_eq!(s.num_regions(), 1);
+        assert_eq!(s.parts(), &[Part::PackedKv]);
+        assert_eq!(s.part_block_len(), h * n * c * elt);
+        assert_eq!(s.block_len(), l * h * n * c * elt);
+        assert_eq!(s.region_len(), s.block_len() * u64::from(blocks));
+        assert_eq!(s.total_bytes(), s.region_len());
+        assert_eq!(s.token_slot_bytes() * n, s.block_len());
+        for (b, layer, head, t) in [(0u32, 0u32, 0u32, 0u32), (4, 2, 1, 3), (2, 1, 0, 2)] {
+            let (region, r) = s
+                .head_token_range(layer, Part::PackedKv, b, t, head)
+                .unwrap();
+            let want = u64::from(b) * l * h * n * c
+                + u64::from(layer) * h * n * c
+                + u64::from(head) * n * c
+                + u64::from(t) * c;
+            assert_eq!((region, r.offset, r.len), (0, want * elt, c * elt));
+        }
+        assert_eq!(
+            s.locate(2, Part::PackedKv).unwrap(),
+            PartLocation {
+                region: 0,
+                offset_in_block: 2 * s.part_block_len()
+            }
+        );
+        assert!(s.locate(3, Part::PackedKv).is_err());
+        assert!(s.locate(0, Part::Key).is_err());
+    }
+
     #[test]
     fn kinds_and_orders_parse_what_they_print() {
         for k in [
@@ -602,6 +670,7 @@ mod tests {
             CacheKind::JointKv,
             CacheKind::Mla,
             CacheKind::PackedKv,
+            CacheKind::CrossLayer,
         ] {
             assert_eq!(k.to_string().parse::<CacheKind>().unwrap(), k);
         }

@@ -425,3 +425,116 @@ fn packed_kv_nhd_head_slice_is_one_piece_per_token() {
         })
     ));
 }
+
+#[test]
+fn cross_layer_blocks_move_as_one_descriptor_per_run_of_blocks() {
+    // vLLM's BLHNC: [blocks, layers, heads, tokens, 2 * head_dim]. Same TP on both sides:
+    // every layer's page of a block is one run, so 3 layers x 3 blocks (27 raw pieces
+    // counting layers) become one descriptor per run of blocks contiguous on both sides.
+    let p = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 2, 8, 4, 16);
+    let d = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 2, 8, 4, 16);
+    let (pb, db) = (bases(&p, 0x1000_0000, 0), bases(&d, 0x9000_0000, 0));
+    assert_eq!((pb.len(), p.block_len()), (1, 3 * p.part_block_len()));
+    let (ps, ds) = (
+        CacheSide::new(&p, &pb, 0).unwrap(),
+        CacheSide::new(&d, &db, 0).unwrap(),
+    );
+    let all = HeadSlice {
+        src_first: 0,
+        dst_first: 0,
+        count: 2,
+    };
+    let out = plan(&ps, &ds, all, &[4, 5, 9], &[0, 1, 7], true);
+    assert_eq!(out.raw_count, 3 * 3, "one raw piece per layer and block");
+    let descs = out.descriptors();
+    assert_eq!(
+        descs.len(),
+        2,
+        "blocks 4,5 -> 0,1 are one run; 9 -> 7 another"
+    );
+    assert_eq!(
+        (descs[0].src, descs[0].dst, descs[0].len),
+        (pb[0] + 4 * p.block_len(), db[0], 2 * p.block_len())
+    );
+    assert_eq!(
+        (descs[1].src, descs[1].dst, descs[1].len),
+        (
+            pb[0] + 9 * p.block_len(),
+            db[0] + 7 * d.block_len(),
+            p.block_len()
+        )
+    );
+    // Uncoalesced, the pieces are exactly the formula's pages, block by block.
+    let raw = plan(&ps, &ds, all, &[4, 5, 9], &[0, 1, 7], false);
+    let mut want = Vec::new();
+    for (s, t) in [(4u64, 0u64), (5, 1), (9, 7)] {
+        for l in 0..3u64 {
+            let page = p.part_block_len();
+            want.push((
+                pb[0] + s * p.block_len() + l * page,
+                db[0] + t * d.block_len() + l * page,
+            ));
+        }
+    }
+    let got: Vec<(u64, u64)> = raw.descriptors().iter().map(|d| (d.src, d.dst)).collect();
+    assert_eq!(got, want);
+    assert!(
+        raw.descriptors()
+            .iter()
+            .all(|d| d.len == p.part_block_len())
+    );
+}
+
+#[test]
+fn cross_layer_head_slices_are_one_piece_per_layer_and_block() {
+    // Prefill TP 1 with 4 heads, decode TP 2 with 2 heads, BLHNC: decode rank 1 reads heads
+    // 2..4 of every layer's page; pages of different layers never merge.
+    let (heads, head_dim, tokens, layers) = (4u64, 8u64, 4u64, 3u64);
+    let p = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 4, 8, 4, 8);
+    let d = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 2, 8, 4, 8);
+    let (pb, db) = (bases(&p, 0x1000_0000, 0), bases(&d, 0x9000_0000, 0));
+    let (ps, ds) = (
+        CacheSide::new(&p, &pb, 0).unwrap(),
+        CacheSide::new(&d, &db, 0).unwrap(),
+    );
+    let m = TpMapping::new(1, 2, HeadSharding::Split { total_kv_heads: 4 }).unwrap();
+    let link = m.links_for_decode(1).unwrap()[0];
+    let out = plan(&ps, &ds, slice_of(&link), &[5, 6], &[2, 3], true);
+    assert_eq!(out.descriptors().len(), 3 * 2);
+    let slot = 2 * head_dim * 2; // K and V of one head-token, f16
+    let page = heads * tokens * slot;
+    let mut got: Vec<(u64, u64, u64)> = out
+        .descriptors()
+        .iter()
+        .map(|d| (d.src, d.dst, d.len))
+        .collect();
+    got.sort_unstable();
+    let mut want = Vec::new();
+    for b in [(5u64, 2u64), (6, 3)] {
+        for l in 0..layers {
+            want.push((
+                pb[0] + b.0 * layers * page + l * page + 2 * tokens * slot,
+                db[0] + b.1 * layers * (page / 2) + l * (page / 2),
+                2 * tokens * slot,
+            ));
+        }
+    }
+    want.sort_unstable();
+    assert_eq!(got, want);
+    // A cross-layer cache never pairs with a per-layer one.
+    let packed = spec(CacheKind::PackedKv, BlockOrder::Hnd, 3, 2, 8, 4, 8);
+    let qb = bases(&packed, 1 << 30, 0);
+    let qs = CacheSide::new(&packed, &qb, 0).unwrap();
+    let pairs = BlockPairs {
+        src: &[1],
+        dst: &[3],
+        windows: None,
+    };
+    assert!(matches!(
+        plan_transfer(&ps, &qs, slice_of(&link), &pairs, PlanOptions::default()),
+        Err(LayoutError::Mismatch {
+            field: "cache kind",
+            ..
+        })
+    ));
+}

@@ -80,7 +80,8 @@ fn config() -> impl Strategy<Value = Config> {
         Just(CacheKind::SplitKv),
         Just(CacheKind::JointKv),
         Just(CacheKind::Mla),
-        Just(CacheKind::PackedKv)
+        Just(CacheKind::PackedKv),
+        Just(CacheKind::CrossLayer)
     ];
     let orders = prop_oneof![Just(BlockOrder::Hnd), Just(BlockOrder::Nhd)];
     let pow2 = |max: u32| (0..=max).prop_map(|e| 1u32 << e);
@@ -319,7 +320,7 @@ proptest! {
         vals in prop::collection::vec(prop_oneof![Just(0u32), Just(1), Just(u32::MAX), Just(MAX_DIM), Just(MAX_DIM + 1), any::<u32>(), 0u32..64], 12),
         bases_in in prop::collection::vec(prop_oneof![Just(0u64), Just(u64::MAX), any::<u64>()], 0..6),
         blocks in prop::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), any::<u32>(), 0u32..8], 0..6),
-        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla), Just(CacheKind::PackedKv)],
+        kind in prop_oneof![Just(CacheKind::SplitKv), Just(CacheKind::JointKv), Just(CacheKind::Mla), Just(CacheKind::PackedKv), Just(CacheKind::CrossLayer)],
         order in prop_oneof![Just(BlockOrder::Hnd), Just(BlockOrder::Nhd)],
     ) {
         let params = CacheParams {

@@ -112,7 +112,9 @@ def describe_cache(
 ) -> dict[str, Any]:
     """The kvxfer layout of vLLM's KV cache tensors, derived from each tensor's pointer and
     strides (never from an assumed shape): one region per layer, block-major, each block a
-    contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD).
+    contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD);
+    or, when vLLM laid the layers out cross-layer (`VLLM_KV_CACHE_LAYOUT=BLHNC` or `BLNHC`),
+    one region whose every block holds each layer's page in layer order.
 
     Raises ValueError naming what does not fit, so an unsupported cache layout fails at
     registration instead of moving the wrong bytes.
@@ -129,16 +131,26 @@ def describe_cache(
         "HND": (block_size * 2 * head_size, 2 * head_size, 1),
         "NHD": (2 * head_size, kv_heads * 2 * head_size, 1),
     }
-    for name, t in zip(names, tensors, strict=True):
+    # Cross-layer: every layer's view steps over all layers' pages from block to block, and
+    # layer l's page starts l pages after layer 0's.
+    cross_layer = len(tensors) > 1 and first.stride(0) * elt == len(tensors) * block_len
+    for i, (name, t) in enumerate(zip(names, tensors, strict=True)):
         if t.device.type != "cpu":
             raise ValueError(f"{name}: {t.device} memory is not supported yet (host only)")
         if t.dtype != first.dtype or t.shape[0] != num_blocks:
             raise ValueError(f"{name}: dtype/blocks differ from {names[0]}")
-        if t.dim() != 4 or t.stride(0) * elt != block_len:
+        step = len(tensors) * block_len if cross_layer else block_len
+        if t.dim() != 4 or t.stride(0) * elt != step:
             raise ValueError(
                 f"{name}: shape {tuple(t.shape)}, strides {t.stride()}: expected "
                 f"[blocks, ...] with {block_len}-byte blocks (heads={kv_heads}, "
-                f"block_size={block_size}, 2*head_size={2 * head_size})"
+                f"block_size={block_size}, 2*head_size={2 * head_size}), one region per "
+                f"layer or all {len(tensors)} layers' pages in each block"
+            )
+        if cross_layer and t.data_ptr() != first.data_ptr() + i * block_len:
+            raise ValueError(
+                f"{name}: a cross-layer page at {t.data_ptr() - first.data_ptr()} bytes from "
+                f"{names[0]}'s, expected {i * block_len} (layers in name order)"
             )
     strides = tuple(first.stride()[1:])
     order = next((o for o, s in orders.items() if s == strides), None)
@@ -148,7 +160,7 @@ def describe_cache(
             f"nor packed NHD {orders['NHD']}"
         )
     return {
-        "kind": "packed-kv",
+        "kind": "cross-layer" if cross_layer else "packed-kv",
         "order": order,
         "dtype": _dtype_name(first.dtype),
         "num_layers": len(tensors),
@@ -156,7 +168,7 @@ def describe_cache(
         "head_dim": head_size,
         "tokens_per_block": block_size,
         "num_blocks": num_blocks,
-        "bases": [t.data_ptr() for t in tensors],
+        "bases": [first.data_ptr()] if cross_layer else [t.data_ptr() for t in tensors],
     }
 
 

@@ -17,12 +17,14 @@ LAYERS, HEADS, HEAD_DIM, TOKENS, BLOCKS = 2, 4, 16, 4, 16
 
 
 def regions(kind: str) -> int:
-    return 2 * LAYERS if kind == "split-kv" else LAYERS
+    return {"split-kv": 2 * LAYERS, "cross-layer": 1}.get(kind, LAYERS)
 
 
 def block_len(kind: str, head_dim: int = HEAD_DIM) -> int:
-    slot = 2 if kind == "packed-kv" else 1  # K and V share a slot in a packed cache
-    return HEADS * TOKENS * head_dim * slot * 2  # f16
+    # K and V share a slot in a packed cache; a cross-layer block holds every layer's page.
+    slot = 1 if kind == "split-kv" else 2
+    pages = LAYERS if kind == "cross-layer" else 1
+    return pages * HEADS * TOKENS * head_dim * slot * 2  # f16
 
 
 def cache(kind: str, seed: int | None, head_dim: int = HEAD_DIM) -> list[np.ndarray]:
@@ -87,7 +89,7 @@ def hand_off(
     return sched, params
 
 
-@pytest.mark.parametrize("kind", ["split-kv", "packed-kv"])
+@pytest.mark.parametrize("kind", ["split-kv", "packed-kv", "cross-layer"])
 def test_decode_pulls_the_prefill_blocks(transport: str, kind: str) -> None:
     src, dst = cache(kind, 10), cache(kind, None)
     p, p_engine = worker("P", transport, kind, src)

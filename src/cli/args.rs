@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvxfer::bench::{Memory, Mode};
 use kvxfer::models::ModelShape;
 use kvxfer::transports::TransportKind;
-use kvxfer_layout::BlockOrder;
+use kvxfer_layout::{BlockOrder, CacheKind};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +31,17 @@ pub(crate) enum Order {
     Hnd,
     /// [tokens, heads, head_dim] inside a block (SGLang's layout).
     Nhd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum CacheArg {
+    /// The model's own: split K/V regions per layer, or MLA's latent.
+    Model,
+    /// One region per layer, K and V packed per head and token (vLLM 0.32's default).
+    PackedKv,
+    /// One region for all layers, each block holding every layer's packed page (vLLM's
+    /// BLHNC with `--order hnd`, BLNHC with `--order nhd`).
+    CrossLayer,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -111,6 +122,10 @@ pub(crate) struct Shape {
     /// In-block order of the caches.
     #[arg(long, value_enum, default_value = "hnd")]
     pub(crate) order: Order,
+    /// How the cache stores K and V: the model's own (split K/V, or MLA), or one of vLLM's
+    /// layouts for attention models.
+    #[arg(long, value_enum, default_value = "model")]
+    pub(crate) cache: CacheArg,
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     pub(crate) block_size: u32,
@@ -303,6 +318,16 @@ pub(crate) fn parse_tp(s: &str) -> Result<(u32, u32), String> {
         .ok_or_else(|| format!("expected PREFILL:DECODE, got {s:?}"))?;
     let parse = |v: &str| v.trim().parse::<u32>().map_err(|e| format!("{v:?}: {e}"));
     Ok((parse(p)?, parse(d)?))
+}
+
+/// The model with the cache kind asked for, or why that kind does not fit it.
+pub(crate) fn with_cache(model: ModelShape, cache: CacheArg) -> Result<ModelShape, String> {
+    let kind = match cache {
+        CacheArg::Model => return Ok(model),
+        CacheArg::PackedKv => CacheKind::PackedKv,
+        CacheArg::CrossLayer => CacheKind::CrossLayer,
+    };
+    model.with_kind(kind).map_err(|e| e.to_string())
 }
 
 pub(crate) fn block_order(o: Order) -> BlockOrder {

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use kvxfer::bench::{BenchConfig, Memory, Mode};
 use kvxfer::inspect::{InspectConfig, report};
 
-use super::args::{Command, Shape, SweepParam, block_order};
+use super::args::{Command, Shape, SweepParam, block_order, with_cache};
 
 /// Runs one subcommand; the exit code says how it went (2: refused or failed).
 pub(crate) fn run(command: Command) -> ExitCode {
@@ -20,6 +20,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                     model,
                     tp,
                     order,
+                    cache,
                     block_size,
                 },
             role,
@@ -35,6 +36,13 @@ pub(crate) fn run(command: Command) -> ExitCode {
             seed,
             discovery,
         } => {
+            let model = match with_cache(model, cache) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             if role != "prefill" {
                 eprintln!(
                     "error: only `--role prefill` serves; run the decode side with `kvxfer bench --connect HOST:PORT`"
@@ -89,6 +97,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                     model,
                     tp,
                     order,
+                    cache,
                     block_size,
                 },
             pp,
@@ -111,6 +120,13 @@ pub(crate) fn run(command: Command) -> ExitCode {
             keep_going,
             discovery,
         } => {
+            let model = match with_cache(model, cache) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             let config = BenchConfig {
                 model,
                 order: block_order(order),
@@ -145,12 +161,20 @@ pub(crate) fn run(command: Command) -> ExitCode {
                     model,
                     tp,
                     order,
+                    cache,
                     block_size,
                 },
             pp,
             num_blocks,
             request_blocks,
         } => {
+            let model = match with_cache(model, cache) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             let config = InspectConfig {
                 model,
                 order: block_order(order),

@@ -1,0 +1,123 @@
+"""kvxfer's reading of vLLM's KV cache tensors, on the views vLLM itself builds for each
+layout (no engine): how `describe_cache` names them, and a transfer between two workers
+through that description landing each block exactly where vLLM's views put it.
+
+vLLM's CPU attention runs only LBHNC, so a real CPU engine never offers the cross-layer
+layouts (BLHNC, BLNHC): this is where they are checked against vLLM's own stride code."""
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+import kvxfer
+from kvxfer.vllm import describe_cache
+
+LAYERS, BLOCKS, HEADS, HEAD, TOKENS = 3, 6, 2, 32, 16
+
+
+def vllm_views(layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    """Per-layer views of one allocation, made the way vLLM's KV cache config and model
+    runner make them: block-outermost layouts step over every layer's page per block."""
+    spec = FullAttentionSpec(
+        block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    page = spec.page_size_bytes
+    block_stride = page * LAYERS if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, BLOCKS, LAYERS, layout, fixed_strides=(None, block_stride, None, None, None)
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    tensor = KVCacheTensor(
+        size=page * LAYERS * BLOCKS,
+        layers=names,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+        offset=0,
+    )
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)
+    return dict(zip(names, views, strict=True))
+
+
+def worker(role: str, desc: dict[str, Any]) -> kvxfer.PullWorker:
+    return kvxfer.PullWorker(
+        f"{role}-0",
+        "loopback",
+        engine_id=role,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        total_layers=LAYERS,
+        side_channel_port=0,
+        **desc,
+    )
+
+
+def finish(w: kvxfer.PullWorker, req: str, side: int) -> list[Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        f = w.get_finished()
+        if req in f[side]:
+            return list(f[2])
+        time.sleep(0.002)
+    raise AssertionError(f"{req} never finished")
+
+
+@pytest.mark.parametrize(
+    ("layout", "kind", "order"),
+    [
+        (KVCacheLayout.BLHNC, "cross-layer", "HND"),
+        (KVCacheLayout.BLNHC, "cross-layer", "NHD"),
+        (KVCacheLayout.LBHNC, "packed-kv", "HND"),
+    ],
+)
+def test_vllm_layouts_are_described_and_moved_exactly(
+    layout: KVCacheLayout, kind: str, order: str
+) -> None:
+    src, dst = vllm_views(layout), vllm_views(layout)
+    desc = describe_cache(src, HEADS, HEAD, TOKENS)
+    assert (desc["kind"], desc["order"]) == (kind, order)
+    assert len(desc["bases"]) == (1 if kind == "cross-layer" else LAYERS)
+    # Every element distinct across layers, written through vLLM's own views.
+    for layer, v in enumerate(src.values()):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).reshape(v.shape) + layer * 1e6)
+    p = worker("P", desc)
+    d = worker("D", describe_cache(dst, HEADS, HEAD, TOKENS))
+    remote, local = [4, 1], [0, 5]
+    port = p.listener_port()
+    assert port
+    psched = kvxfer.PullScheduler("P", "127.0.0.1", port)
+    _, params = psched.request_finished("r", json.dumps({"do_remote_decode": True}), True, remote)
+    assert params is not None
+    p.start_load_kv(psched.build_step_meta())
+    dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
+    dsched.after_alloc("r", params, local, 2 * TOKENS)
+    d.start_load_kv(dsched.build_step_meta())
+    assert finish(d, "r", 1) == []
+    for name in src:
+        s, t = src[name], dst[name]
+        for rb, lb in zip(remote, local, strict=True):
+            assert torch.equal(t[lb], s[rb]), f"{name}: block {rb} -> {lb}"
+        for b in set(range(BLOCKS)) - set(local):
+            assert not t[b].any(), f"{name}: block {b} was written"
+    finish(p, "r", 0)
+    d.shutdown()
+    p.shutdown()
+
+
+def test_a_cross_layer_cache_in_another_layer_order_is_refused() -> None:
+    views = vllm_views(KVCacheLayout.BLHNC)
+    names = list(views)
+    swapped = {names[0]: views[names[1]], names[1]: views[names[0]], names[2]: views[names[2]]}
+    with pytest.raises(ValueError, match="cross-layer page"):
+        describe_cache(swapped, HEADS, HEAD, TOKENS)
