@@ -21,6 +21,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvxfer_core::host_copy::{self, Method};
 use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
 use kvxfer_tests::memory::{Rng, fill};
@@ -194,24 +195,17 @@ enum Copier {
     Streaming,
 }
 
-/// Copies `src` to `dst` (equal lengths, multiples of 64, 16-byte aligned) with streaming
-/// stores where the CPU has them.
+/// Copies `src` to `dst` (equal lengths) with the streaming stores the loopback uses where
+/// the CPU has them (`kvxfer_core::host_copy`).
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        assert!(dst.len() == src.len() && dst.len() % 16 == 0 && dst.as_ptr() as usize % 16 == 0);
-        for i in (0..dst.len()).step_by(16) {
-            // SAFETY: in bounds (checked above), destination 16-byte aligned; SSE2 is part
-            // of x86_64.
-            unsafe {
-                let v = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
-                _mm_stream_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), v);
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    dst.copy_from_slice(src);
+    assert_eq!(dst.len(), src.len());
+    let method = if host_copy::streaming_supported() {
+        Method::Streaming
+    } else {
+        Method::Plain
+    };
+    // SAFETY: two distinct slices of equal length, one borrowed mutably.
+    unsafe { host_copy::copy(dst.as_mut_ptr(), src.as_ptr(), dst.len(), method) };
 }
 
 /// Median bytes/s of single-thread copies of the same blocks in the same order (`perm`
@@ -237,11 +231,7 @@ fn memcpy(rounds: usize, perm: Option<&[u64]>, how: Copier) -> f64 {
             }
             None => copy(dst, src),
         }
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a store fence has no preconditions; it orders the streaming stores.
-        unsafe {
-            std::arch::x86_64::_mm_sfence()
-        };
+        host_copy::fence(Method::Streaming);
         std::hint::black_box(&dst);
         times.push(TOTAL as f64 / start.elapsed().as_secs_f64());
     }
