@@ -56,6 +56,7 @@ fn bench_prints_the_table_and_writes_json() {
         "ratio_to_memcpy",
         "ceiling_gb_per_s",
         "ceiling_threads",
+        "ceiling_streaming",
         "ratio_to_ceiling",
         "verified_bytes",
     ] {

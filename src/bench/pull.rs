@@ -310,6 +310,7 @@ pub(super) fn run(
         source,
         moved,
         mean_piece(moved, metrics.descriptors_posted).unwrap_or(piece),
+        report.requests,
     );
     report.descriptors_raw = metrics.descriptors_raw;
     report.descriptors_posted = metrics.descriptors_posted;

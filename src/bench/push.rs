@@ -343,6 +343,7 @@ pub(super) fn run(
         source,
         moved,
         mean_piece(moved, metrics.descriptors_posted).unwrap_or(piece),
+        report.requests,
     );
     report.prefill_elsewhere = pre.is_none();
     report.descriptors_raw = metrics.descriptors_raw;

@@ -53,10 +53,13 @@ pub struct BenchReport {
     pub memcpy_gb_per_s: f64,
     /// Throughput divided by memcpy's.
     pub ratio_to_memcpy: f64,
-    /// The machine's copy ceiling for the same piece size: all cores, streaming stores.
+    /// The machine's copy ceiling for the same piece size: all cores, streaming stores
+    /// where the transfer is too large for the caches.
     pub ceiling_gb_per_s: f64,
     /// Threads the ceiling ran on (all cores).
     pub ceiling_threads: usize,
+    /// Whether the ceiling copied with streaming stores (plain copies otherwise).
+    pub ceiling_streaming: bool,
     /// Throughput divided by the ceiling.
     pub ratio_to_ceiling: f64,
     /// Bytes compared against the prefill's contents.
@@ -157,8 +160,14 @@ impl BenchReport {
             (
                 "copy ceiling, same pieces",
                 format!(
-                    "{:.2} GB/s ({} threads, streaming stores)",
-                    self.ceiling_gb_per_s, self.ceiling_threads
+                    "{:.2} GB/s ({} threads, {})",
+                    self.ceiling_gb_per_s,
+                    self.ceiling_threads,
+                    if self.ceiling_streaming {
+                        "streaming stores"
+                    } else {
+                        "plain copies"
+                    }
                 ),
             ),
             (

@@ -44,11 +44,24 @@ pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration 
 /// The machine's copy ceiling for pieces of `piece` bytes, in GB/s: `bytes` bytes (at most
 /// 1 GiB a pass, best of five passes) as pieces at random piece-aligned places in `src`
 /// copied to random places in a pre-touched 256 MiB destination, on all cores (each its own
-/// part of the destination), with streaming stores where the CPU has them. Returns the
-/// figure and the threads used.
-pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize) -> (f64, usize) {
+/// part of the destination), copied the way the loopback copies a request of that size
+/// (`bytes / requests`): with streaming stores where the CPU has them and the transfer is too
+/// large for the caches.
+pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize, requests: u32) -> Ceiling {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut scratch = kvxfer_core::host_mem::HostMem::new(src.len().min(256 << 20), 1);
+    // The loopback chooses per transfer; a request is about one transfer per decode rank.
+    let method = host_copy::method_for(bytes / u64::from(requests.max(1)));
+    let mut ceiling = Ceiling {
+        gb_per_s: 0.0,
+        threads,
+        streaming: method == Method::Streaming,
+    };
+    if src.is_empty() {
+        return ceiling;
+    }
+    // At least a byte per thread, so every part holds a piece.
+    let scratch_len = src.len().min(256 << 20).max(threads);
+    let mut scratch = kvxfer_core::host_mem::HostMem::new(scratch_len, 1);
     let part_len = scratch.len() / threads;
     let piece = piece.min(src.len()).min(part_len).max(1);
     let per_thread = (bytes.min(1 << 30) / threads as u64).div_ceil(piece as u64) as usize;
@@ -65,11 +78,6 @@ pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize) -> (f64, us
                 .collect()
         })
         .collect();
-    let method = if host_copy::streaming_supported() {
-        Method::Streaming
-    } else {
-        Method::Plain
-    };
     let mut best = Duration::MAX;
     for _ in 0..5 {
         let t = Instant::now();
@@ -90,7 +98,18 @@ pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize) -> (f64, us
     }
     std::hint::black_box(&scratch);
     let moved = (threads * per_thread * piece) as f64;
-    (moved / best.as_secs_f64().max(1e-9) / 1e9, threads)
+    ceiling.gb_per_s = moved / best.as_secs_f64().max(1e-9) / 1e9;
+    ceiling
+}
+
+/// The copy ceiling measured in the run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ceiling {
+    pub gb_per_s: f64,
+    /// Threads it ran on (all cores).
+    pub threads: usize,
+    /// Whether it copied with streaming stores.
+    pub streaming: bool,
 }
 
 /// The mean size of the descriptors the measured requests posted: the pieces the ceiling
@@ -107,7 +126,7 @@ pub(crate) fn finish(
     moved: u64,
     measured: Duration,
     memcpy: Duration,
-    ceiling: (f64, usize),
+    ceiling: Ceiling,
 ) {
     latencies.sort();
     let pct = |p: f64| {
@@ -124,8 +143,10 @@ pub(crate) fn finish(
     report.latency_p99_ms = ms(pct(0.99));
     report.memcpy_gb_per_s = moved as f64 / memcpy.as_secs_f64().max(1e-9) / 1e9;
     report.ratio_to_memcpy = memcpy.as_secs_f64() / measured.as_secs_f64().max(1e-9);
-    (report.ceiling_gb_per_s, report.ceiling_threads) = ceiling;
-    report.ratio_to_ceiling = report.gb_per_s / ceiling.0.max(1e-9);
+    report.ceiling_gb_per_s = ceiling.gb_per_s;
+    report.ceiling_threads = ceiling.threads;
+    report.ceiling_streaming = ceiling.streaming;
+    report.ratio_to_ceiling = report.gb_per_s / ceiling.gb_per_s.max(1e-9);
     report.describe(c);
 }
 
