@@ -562,17 +562,27 @@ pub fn plan_transfer_into(
     if src.spec.kind() == CacheKind::CrossLayer && pairs.windows.is_none() {
         // Every layer's page of a block sits in one run: block by block, layer by layer, the
         // descriptors come in destination order and merge as they are emitted, with no sort.
-        let mut bases = Vec::with_capacity(end.saturating_sub(first) as usize);
-        for layer in first..end {
-            let part = Part::PackedKv;
-            bases.push((src.part_base(layer, part)?, dst.part_base(layer, part)?));
-        }
+        // Layer `first + i` is `i` pages after layer `first` on each side (`locate`); the
+        // last layer's base was checked, so no sum below exceeds it.
+        let (part, layers) = (Part::PackedKv, end.saturating_sub(first));
+        let (sfirst, dfirst) = (src.part_base(first, part)?, dst.part_base(first, part)?);
+        src.part_base(end.saturating_sub(1), part)?;
+        dst.part_base(end.saturating_sub(1), part)?;
+        let (spage, dpage) = (src.spec.part_block_len(), dst.spec.part_block_len());
         for (sb, db) in pairs.src.iter().zip(pairs.dst) {
-            for &(sbase, dbase) in &bases {
+            for i in 0..u64::from(layers) {
                 emitter.emit(
                     sweep,
-                    (sbase, src.spec.block_len(), std::slice::from_ref(sb)),
-                    (dbase, dst.spec.block_len(), std::slice::from_ref(db)),
+                    (
+                        sfirst.saturating_add(i.saturating_mul(spage)),
+                        src.spec.block_len(),
+                        std::slice::from_ref(sb),
+                    ),
+                    (
+                        dfirst.saturating_add(i.saturating_mul(dpage)),
+                        dst.spec.block_len(),
+                        std::slice::from_ref(db),
+                    ),
                 );
             }
         }

@@ -429,8 +429,8 @@ fn packed_kv_nhd_head_slice_is_one_piece_per_token() {
 #[test]
 fn cross_layer_blocks_move_as_one_descriptor_per_run_of_blocks() {
     // vLLM's BLHNC: [blocks, layers, heads, tokens, 2 * head_dim]. Same TP on both sides:
-    // every layer's page of a block is one run, so 3 layers x 3 blocks (27 raw pieces
-    // counting layers) become one descriptor per run of blocks contiguous on both sides.
+    // every layer's page of a block is one run, so 3 blocks x 3 layers (9 raw pieces) become
+    // one descriptor per run of blocks contiguous on both sides.
     let p = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 2, 8, 4, 16);
     let d = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 3, 2, 8, 4, 16);
     let (pb, db) = (bases(&p, 0x1000_0000, 0), bases(&d, 0x9000_0000, 0));
@@ -537,4 +537,36 @@ fn cross_layer_head_slices_are_one_piece_per_layer_and_block() {
             ..
         })
     ));
+}
+
+#[test]
+fn cross_layer_stage_moves_only_its_layers_into_a_full_decode() {
+    // A pipeline stage holding layers 2..4 of a 4-layer cross-layer model: its block holds
+    // 2 pages; the decode's holds 4. Layer 2 of the stage is page 0 there and page 2 here.
+    let stage = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 2, 2, 8, 4, 8);
+    let full = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 4, 2, 8, 4, 8);
+    let (sb, fb) = (bases(&stage, 0x1000_0000, 0), bases(&full, 0x9000_0000, 0));
+    let (ss, fs) = (
+        CacheSide::new(&stage, &sb, 2).unwrap(),
+        CacheSide::new(&full, &fb, 0).unwrap(),
+    );
+    let all = HeadSlice {
+        src_first: 0,
+        dst_first: 0,
+        count: 2,
+    };
+    let page = stage.part_block_len();
+    assert_eq!(page, full.part_block_len());
+    let out = plan(&ss, &fs, all, &[5], &[3], true);
+    assert_eq!(out.raw_count, 2);
+    let d = out.descriptors();
+    assert_eq!(d.len(), 1, "the stage's two pages land next to each other");
+    assert_eq!(
+        (d[0].src, d[0].dst, d[0].len),
+        (
+            sb[0] + 5 * 2 * page,
+            fb[0] + 3 * 4 * page + 2 * page,
+            2 * page
+        )
+    );
 }

@@ -150,7 +150,8 @@ def describe_cache(
         if cross_layer and t.data_ptr() != first.data_ptr() + i * block_len:
             raise ValueError(
                 f"{name}: a cross-layer page at {t.data_ptr() - first.data_ptr()} bytes from "
-                f"{names[0]}'s, expected {i * block_len} (layers in name order)"
+                f"{names[0]}'s, expected {i * block_len} (layers in name order; of vLLM's "
+                "block-outermost layouts, BLHNC and BLNHC are supported)"
             )
     strides = tuple(first.stride()[1:])
     order = next((o for o, s in orders.items() if s == strides), None)

@@ -59,9 +59,17 @@ pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize, requests: u
     if src.is_empty() {
         return ceiling;
     }
-    // At least a byte per thread, so every part holds a piece.
-    let scratch_len = src.len().min(256 << 20).max(threads);
-    let mut scratch = kvxfer_core::host_mem::HostMem::new(scratch_len, 1);
+    // 256 MiB, or room for 4 pieces per thread if that is more (never more than the source),
+    // and at least a byte per thread, so every part holds a piece.
+    let room = piece
+        .saturating_mul(threads)
+        .saturating_mul(4)
+        .max(256 << 20);
+    let scratch_len = src.len().min(room).max(threads);
+    let Ok(mut scratch) = kvxfer_core::host_mem::HostMem::try_new(scratch_len, 1) else {
+        // Not enough memory left for the measurement: no figure, and the ratio shows 0.
+        return ceiling;
+    };
     let part_len = scratch.len() / threads;
     let piece = piece.min(src.len()).min(part_len).max(1);
     let per_thread = (bytes.min(1 << 30) / threads as u64).div_ceil(piece as u64) as usize;

@@ -267,6 +267,23 @@ fn the_vllm_handshake_pairs_over_plain_nixl_metadata() {
             .verify(&[(3, 0), (4, 7), (9, 8), (6, 2)])
             .unwrap();
 
+        // A cross-layer cache is refused toward a vLLM-protocol peer, naming why.
+        let mut cross = model;
+        cross.kind = kvxfer_layout::CacheKind::CrossLayer;
+        let mut xpre = engine("vllm-XP", &cross, 1, true, c.clone(), &mk(f), &tune("m"));
+        let mut xdec = engine("vllm-XD", &cross, 1, false, c.clone(), &mk(f), &tune("m"));
+        let mut xparams = xpre.finish_prefill("rx", &[1]);
+        xparams.kvxfer_protocol = None;
+        xdec.start_load("rx", &xparams, &[2], 4);
+        let failed = first_failure(&mut xdec);
+        assert!(
+            failed[0]
+                .reason
+                .contains("cross-layer cache (BLHNC) does not pair with stock vLLM peers"),
+            "{}",
+            failed[0].reason
+        );
+
         // Other factors: refused before the agent metadata is read.
         let mut other = engine("vllm-D2", &model, 1, false, c, &mk(f), &tune("other"));
         let params = pre.finish_prefill("r2", &[5]);

@@ -67,7 +67,7 @@ pub struct HandshakeMeta {
 /// A cache spec on the wire, with the model-wide facts a compatibility check needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayoutWire {
-    /// `split-kv`, `joint-kv`, `mla` or `packed-kv`.
+    /// `split-kv`, `joint-kv`, `mla`, `packed-kv` or `cross-layer`.
     pub kind: String,
     /// `HND` or `NHD`.
     pub order: String,

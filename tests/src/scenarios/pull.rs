@@ -139,6 +139,12 @@ pub fn replicated_heads_and_mla<F: TransportFactory>(f: &F) {
     packed.kind = kvxfer_layout::CacheKind::PackedKv;
     pull_roundtrip(f, packed, 1, 2, "packed");
     pull_roundtrip(f, packed, 2, 1, "packed-p");
+    let mut cross = Model::small(BlockOrder::Hnd, 4);
+    cross.kind = kvxfer_layout::CacheKind::CrossLayer;
+    pull_roundtrip(f, cross, 1, 2, "cross");
+    pull_roundtrip(f, cross, 2, 1, "cross-p");
+    cross.order = BlockOrder::Nhd;
+    pull_roundtrip(f, cross, 1, 2, "cross-nhd");
 }
 
 /// Five requests in flight at once on TP 2:2; each reported once, when both ranks are done.

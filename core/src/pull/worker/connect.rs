@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kvxfer_layout::{
-    CacheSide, CacheSpec, LinkKind, Side, SideLayout, TpMapping, check_compatible,
+    CacheKind, CacheSide, CacheSpec, LinkKind, Side, SideLayout, TpMapping, check_compatible,
 };
 
 use super::vllm::{StockPrefill, layout_name, stock_handshake};
@@ -178,7 +178,14 @@ impl<T: Transport> PullWorker<T> {
             ));
         }
         if let Some(n) = native {
-            let ours = layout_name(own.spec.order());
+            let ours = layout_name(&own.spec);
+            if own.spec.kind() == CacheKind::CrossLayer {
+                // vLLM registers a cross-layer cache as one view per layer; kvxfer as one
+                // region. Refused until that mapping is built and tested against vLLM.
+                problems.push(format!(
+                    "a cross-layer cache ({ours}) does not pair with stock vLLM peers yet"
+                ));
+            }
             if n.kv_cache_layout != ours {
                 problems.push(format!(
                     "kv_cache_layout: local {ours}, remote {}",

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use kvxfer_layout::{BlockOrder, TpMapping};
+use kvxfer_layout::{BlockOrder, CacheKind, CacheSpec, TpMapping};
 
 use super::{Fetched, Native, PullWorker};
 use crate::pull::config::{KvCache, PullConfig, VllmCompat};
@@ -59,7 +59,7 @@ pub(super) fn stock_payload(
         num_blocks: blocks,
         block_lens: vec![spec.block_len(); regions],
         block_strides: vec![spec.block_len(); regions],
-        kv_cache_layout: layout_name(spec.order()).into(),
+        kv_cache_layout: layout_name(spec).into(),
         block_size: spec.tokens_per_block(),
         ssm_sizes: vec![0, 0],
         attn_backend_name: compat.factors.attn_backend_name.clone(),
@@ -81,11 +81,14 @@ pub(super) fn stock_payload(
     .encode()
 }
 
-/// vLLM's name of a block's order: heads then tokens (`LBHNC`) or tokens then heads.
-pub(super) fn layout_name(order: BlockOrder) -> &'static str {
-    match order {
-        BlockOrder::Hnd => "LBHNC",
-        BlockOrder::Nhd => "LBNHC",
+/// vLLM's name of a cache's layout: layers outermost (`LB..`) or blocks outermost (`BL..`,
+/// cross-layer), then heads before tokens (`HN`) or tokens before heads (`NH`).
+pub(super) fn layout_name(spec: &CacheSpec) -> &'static str {
+    match (spec.kind(), spec.order()) {
+        (CacheKind::CrossLayer, BlockOrder::Hnd) => "BLHNC",
+        (CacheKind::CrossLayer, BlockOrder::Nhd) => "BLNHC",
+        (_, BlockOrder::Hnd) => "LBHNC",
+        (_, BlockOrder::Nhd) => "LBNHC",
     }
 }
 
@@ -340,6 +343,34 @@ mod tests {
             (m.region_names, m.kv_cache_layout.as_str()),
             (None, "LBNHC")
         );
+    }
+
+    /// vLLM's names of its layouts: layers outermost for per-layer caches, blocks outermost
+    /// for cross-layer ones.
+    #[test]
+    fn layouts_are_named_as_vllm_names_them() {
+        let spec = |kind, order| {
+            CacheSpec::new(CacheParams {
+                kind,
+                order,
+                dtype: Dtype::F32,
+                num_layers: 2,
+                kv_heads: 2,
+                head_dim: 8,
+                tokens_per_block: 4,
+                num_blocks: 3,
+            })
+            .unwrap()
+        };
+        for (kind, order, name) in [
+            (CacheKind::PackedKv, BlockOrder::Hnd, "LBHNC"),
+            (CacheKind::PackedKv, BlockOrder::Nhd, "LBNHC"),
+            (CacheKind::SplitKv, BlockOrder::Hnd, "LBHNC"),
+            (CacheKind::CrossLayer, BlockOrder::Hnd, "BLHNC"),
+            (CacheKind::CrossLayer, BlockOrder::Nhd, "BLNHC"),
+        ] {
+            assert_eq!(layout_name(&spec(kind, order)), name, "{kind} {order}");
+        }
     }
 
     /// vLLM's rule: a read is declined when the deadline, on our clock, is within the margin.
