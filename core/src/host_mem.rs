@@ -110,7 +110,7 @@ impl HostMem {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes; `None` where the system does not say.
-fn mem_available() -> Option<u64> {
+pub(crate) fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     parse_mem_available(&info)
 }

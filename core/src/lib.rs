@@ -6,11 +6,13 @@
 #![warn(missing_docs)]
 
 pub mod clock;
+pub mod copy_pool;
 pub mod host_copy;
 pub mod host_mem;
 pub mod plan;
 pub mod pull;
 pub mod push;
+pub mod shm;
 pub mod sidechannel;
 mod tally;
 pub mod transport;

@@ -12,13 +12,8 @@ const IN_PROGRESS: u8 = 0;
 const DONE: u8 = 1;
 const FAILED: u8 = 2;
 
-/// One host copy: `len` bytes from `src` to `dst`, both inside pinned regions.
-#[derive(Debug, Clone, Copy)]
-pub struct CopyPair {
-    pub src: u64,
-    pub dst: u64,
-    pub len: u64,
-}
+/// One host copy, both sides inside pinned regions.
+pub use kvxfer_core::copy_pool::CopyPair;
 
 /// Where the notification goes once the data is visible.
 #[derive(Debug)]
