@@ -2,8 +2,9 @@
 //! Buffers live in it so the conformance suite can run one agent in a helper process (see
 //! [`crate::remote`]) while the test still reads and checks every byte it owns.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
+
+use kvxfer_core::shm::SharedHostMem;
 
 /// A mapping another process can attach: `/proc/<pid>/fd/<fd>` mapped at `base`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,106 +36,59 @@ pub fn mapping_of(addr: u64, len: u64) -> Option<SharedMapping> {
         .copied()
 }
 
-/// A shared, zero-filled, page-granular memory block, unmapped on drop.
+/// A shared, zero-filled, page-granular memory block, unmapped on drop. It is kvxfer shared
+/// memory ([`kvxfer_core::shm`]): transports that copy between same-host peers' shared
+/// memory do so for every test buffer.
 pub struct SharedMem {
-    fd: OwnedFd,
-    ptr: *mut u8,
+    mem: SharedHostMem,
     len: usize,
-    map_len: usize,
 }
-
-// SAFETY: the mapping is plain memory owned by this value.
-unsafe impl Send for SharedMem {}
-unsafe impl Sync for SharedMem {}
 
 impl SharedMem {
     /// `len` bytes (at least one page is mapped).
     pub fn new(len: usize) -> SharedMem {
         let map_len = len.max(1).next_multiple_of(4096);
-        // SAFETY: memfd_create with a static name; ftruncate and mmap on the new descriptor;
-        // failures panic (test memory).
-        unsafe {
-            let raw = libc::memfd_create(c"kvxfer-test".as_ptr(), libc::MFD_CLOEXEC);
-            assert!(
-                raw >= 0,
-                "memfd_create: {}",
-                std::io::Error::last_os_error()
-            );
-            let fd = OwnedFd::from_raw_fd(raw);
-            assert_eq!(libc::ftruncate(raw, map_len as libc::off_t), 0, "ftruncate");
-            let hint = NEXT_BASE.fetch_add(
-                (map_len as u64).next_multiple_of(1 << 21) + (1 << 21),
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            let mut ptr = libc::mmap(
-                hint as *mut libc::c_void,
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE,
-                raw,
-                0,
-            );
-            if ptr == libc::MAP_FAILED {
-                ptr = libc::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    raw,
-                    0,
-                );
-            }
-            assert_ne!(
-                ptr,
-                libc::MAP_FAILED,
-                "mmap: {}",
-                std::io::Error::last_os_error()
-            );
-            MAPPINGS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(SharedMapping {
-                    pid: std::process::id(),
-                    fd: raw,
-                    base: ptr as u64,
-                    len: map_len as u64,
-                });
-            SharedMem {
-                fd,
-                ptr: ptr.cast(),
-                len,
-                map_len,
-            }
-        }
+        let hint = NEXT_BASE.fetch_add(
+            (map_len as u64).next_multiple_of(1 << 21) + (1 << 21),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let mem = SharedHostMem::try_new_near(map_len, 0, Some(hint))
+            .unwrap_or_else(|e| panic!("test memory: {e}"));
+        MAPPINGS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(SharedMapping {
+                pid: std::process::id(),
+                fd: mem.fd(),
+                base: mem.addr(),
+                len: map_len as u64,
+            });
+        SharedMem { mem, len }
     }
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `len` bytes of a live mapping.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        &self.mem[..self.len]
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, exclusively borrowed.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        &mut self.mem[..self.len]
     }
 
     /// Start address.
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.mem.addr()
     }
 }
 
 impl Drop for SharedMem {
     fn drop(&mut self) {
-        let base = self.ptr as u64;
+        let (base, fd) = (self.mem.addr(), self.mem.fd());
         MAPPINGS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|m| !(m.base == base && m.fd == self.fd.as_raw_fd()));
-        // SAFETY: the mapping created in `new`.
-        unsafe { libc::munmap(self.ptr.cast(), self.map_len) };
+            .retain(|m| !(m.base == base && m.fd == fd));
     }
 }
 

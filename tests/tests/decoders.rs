@@ -43,7 +43,15 @@ fn ucx_meta() -> AgentMeta {
             kind: kvxfer_core::MemoryKind::Host,
             range: kvxfer_core::AddrRange::new(0x7f00_0000_0000, 1 << 20),
             rkey: vec![2; 30],
+            shared: Some(kvxfer_core::shm::Export {
+                pid: 4242,
+                fd: 9,
+                token: [6; 16],
+                file_len: 2 << 20,
+                offset: 4096,
+            }),
         }],
+        host: Some([1; 16]),
     }
 }
 

@@ -9,17 +9,20 @@ use std::time::Duration;
 use kvxfer_tests::conformance::TransportFactory;
 use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
 
-/// Agents restricted to `tls`.
+/// Agents restricted to `tls`; with `shared_memory`, transfers between test buffers (kvxfer
+/// shared memory) are host copies through the peer's mapped memory instead of UCX requests.
 pub struct Ucx {
     tls: &'static str,
     progress_thread: bool,
+    shared_memory: bool,
 }
 
 impl TransportFactory for Ucx {
     type T = UcxTransport;
 
     fn label(&self) -> String {
-        format!("ucx/{}", self.tls)
+        let path = if self.shared_memory { "+mapped" } else { "" };
+        format!("ucx/{}{path}", self.tls)
     }
 
     fn create(&self, name: &str) -> UcxTransport {
@@ -28,6 +31,7 @@ impl TransportFactory for Ucx {
             UcxConfig {
                 tls: Some(self.tls.into()),
                 progress_thread: self.progress_thread,
+                shared_memory: self.shared_memory,
                 keepalive_interval: Duration::from_millis(200),
                 ..UcxConfig::default()
             },
@@ -40,6 +44,7 @@ mod shm {
     kvxfer_tests::conformance_suite!(super::Ucx {
         tls: "sm,self",
         progress_thread: true,
+        shared_memory: true,
     });
 
     /// UCX injects no faults itself: the failure case runs through the decorator.
@@ -49,15 +54,26 @@ mod shm {
             super::Ucx {
                 tls: "sm,self",
                 progress_thread: true,
+                shared_memory: true,
             },
         ));
     }
+}
+
+/// UCX's own shared-memory path (CMA) for the same buffers: the same-host mapping off.
+mod shm_cma {
+    kvxfer_tests::conformance_suite!(super::Ucx {
+        tls: "sm,self",
+        progress_thread: true,
+        shared_memory: false,
+    });
 }
 
 mod tcp {
     kvxfer_tests::conformance_suite!(super::Ucx {
         tls: "tcp,self",
         progress_thread: true,
+        shared_memory: false,
     });
 
     /// UCX injects no faults itself: the failure case runs through the decorator.
@@ -67,6 +83,7 @@ mod tcp {
             super::Ucx {
                 tls: "tcp,self",
                 progress_thread: true,
+                shared_memory: false,
             },
         ));
     }
@@ -78,6 +95,7 @@ mod scenarios_shm {
         body(&super::Ucx {
             tls: "sm,self",
             progress_thread: true,
+            shared_memory: true,
         });
     }
 
@@ -97,10 +115,12 @@ mod polled {
     const SHM: Ucx = Ucx {
         tls: "sm,self",
         progress_thread: false,
+        shared_memory: true,
     };
     const TCP: Ucx = Ucx {
         tls: "tcp,self",
         progress_thread: false,
+        shared_memory: false,
     };
 
     #[test]

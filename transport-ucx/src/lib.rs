@@ -35,6 +35,8 @@ pub mod metadata;
 pub mod notification;
 
 #[cfg(feature = "ucx")]
+mod same_host;
+#[cfg(feature = "ucx")]
 mod state;
 #[cfg(feature = "ucx")]
 mod sys;
@@ -93,6 +95,11 @@ pub struct UcxConfig {
     /// Bound on waits for in-flight requests when releasing transfers, deregistering memory
     /// or closing endpoints; past it, the endpoint is closed by force.
     pub release_wait: Duration,
+    /// Advertise host memory that lies in kvxfer shared memory
+    /// ([`kvxfer_core::shm::SharedHostMem`]) and map same-host peers' such memory, so
+    /// transfers between them are host copies instead of UCX requests. On by default;
+    /// `KVXFER_UCX_SHARED_MEMORY=0` turns it off.
+    pub shared_memory: bool,
 }
 
 impl Default for UcxConfig {
@@ -104,6 +111,7 @@ impl Default for UcxConfig {
             keepalive_interval: Duration::from_millis(500),
             tls: None,
             release_wait: Duration::from_secs(10),
+            shared_memory: std::env::var("KVXFER_UCX_SHARED_MEMORY").map_or(true, |v| v != "0"),
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::transport::checks::PreparedLists;
@@ -13,6 +14,7 @@ use kvxfer_core::{AddrRange, MemoryKind, Notification, PeerId, XferId};
 
 use crate::UcxConfig;
 pub use crate::notification::{decode_notification, encode_notification};
+use crate::same_host::{Copier, Copies, PeerMaps};
 use crate::sys::{self, StatusPtr, classify, ucs_status_t};
 use crate::worker::Ucp;
 
@@ -27,6 +29,8 @@ pub struct LocalRegion {
     pub range: AddrRange,
     pub memh: sys::ucp_mem_h,
     pub rkey: Vec<u8>,
+    /// Where a same-host peer can map it, when it lies in kvxfer shared memory.
+    pub shared: Option<kvxfer_core::shm::Export>,
 }
 
 /// Error state of an endpoint, written by UCX's error callback.
@@ -41,6 +45,8 @@ pub struct Peer {
     pub ep: sys::ucp_ep_h,
     pub regions: Vec<(MemoryKind, AddrRange, sys::ucp_rkey_h)>,
     pub health: Box<Health>,
+    /// Its regions mapped here (a same-host peer with shared memory).
+    pub maps: PeerMaps,
 }
 
 /// An endpoint being closed in the background, with what must outlive it.
@@ -78,6 +84,8 @@ pub struct Xfer {
     pub notification: Option<Vec<u8>>,
     /// Local registrations the transfer touches (deregistration waits for them).
     pub regions: Vec<u64>,
+    /// Host copies doing the data phase instead of UCX requests (a same-host peer).
+    pub copies: Option<Arc<Copies>>,
 }
 
 impl Xfer {
@@ -95,7 +103,20 @@ impl Xfer {
             phase,
             notification,
             regions,
+            copies: None,
         })
+    }
+
+    /// Whether UCX requests or host copies are outstanding.
+    pub fn busy(&self) -> bool {
+        self.pending > 0 || self.copies.as_ref().is_some_and(|c| c.running())
+    }
+
+    /// Waits for host copies (which always end) so memory they touch may go.
+    pub fn wait_copies(&self) {
+        if let Some(c) = &self.copies {
+            c.wait();
+        }
     }
 
     /// Counts the result of one `_nbx` call.
@@ -215,6 +236,10 @@ pub struct State {
     /// Health records of peers whose endpoints die with the worker.
     #[allow(clippy::vec_box)]
     pub dead_health: Vec<Box<Health>>,
+    /// Copy workers for same-host transfers through shared memory.
+    pub copier: Copier,
+    /// Transfers done as host copies through a peer's shared memory.
+    pub shared_transfers: u64,
 }
 
 // SAFETY: the UCX handles are only used under the `Mutex` that owns this state, and the
@@ -245,6 +270,8 @@ impl State {
             dead_health: Vec::new(),
             failure_detection: None,
             closing: Vec::new(),
+            copier: Copier::default(),
+            shared_transfers: 0,
         };
         let param = sys::ucp_am_handler_param_t {
             field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
@@ -414,7 +441,7 @@ impl State {
         let busy = |st: &State| {
             st.xfers
                 .values()
-                .any(|x| x.pending > 0 && x.regions.contains(&id))
+                .any(|x| x.busy() && x.regions.contains(&id))
         };
         let start = Instant::now();
         while busy(self) {
@@ -435,17 +462,19 @@ impl State {
             let Some(x) = self.xfers.get(&id) else {
                 return true;
             };
-            if x.pending == 0 {
+            if !x.busy() {
                 return true;
             }
             if start.elapsed() > limit {
+                // Copies cannot be cancelled, but always end.
+                x.wait_copies();
                 let peer = x.peer;
                 if let Some(p) = self.peers.remove(&peer) {
                     tracing::warn!(peer = %p.name, "transfer did not finish in time; closing the endpoint");
                     self.lists.forget_peer(peer);
                     self.close_peer_with(p, true, true);
                 }
-                return self.xfers.get(&id).is_none_or(|x| x.pending == 0);
+                return self.xfers.get(&id).is_none_or(|x| !x.busy());
             }
             self.progress();
             std::thread::yield_now();
@@ -480,7 +509,7 @@ impl State {
             self.progress();
         }
         self.lists.clear();
-        if self.xfers.values().any(|x| x.pending > 0) || !self.sends.is_empty() {
+        if self.xfers.values().any(|x| x.busy()) || !self.sends.is_empty() {
             // Unfinished requests point into these; after the worker is gone nothing will.
             std::mem::forget(std::mem::take(&mut self.xfers));
             std::mem::forget(std::mem::take(&mut self.sends));

@@ -16,6 +16,7 @@ use kvxfer_core::{
 
 use crate::UcxConfig;
 use crate::metadata::{AgentMeta, RegionMeta};
+use crate::same_host::{self, PeerMaps};
 use crate::state::{AM_ID, Health, LocalRegion, Peer, Phase, State, Xfer, encode_notification};
 use crate::sys;
 use crate::worker::{Ucp, check};
@@ -62,7 +63,7 @@ impl Deregister for Shared {
             let stuck: Vec<XferId> = st
                 .xfers
                 .iter()
-                .filter(|(_, x)| x.pending > 0 && x.regions.contains(&id.0))
+                .filter(|(_, x)| x.busy() && x.regions.contains(&id.0))
                 .map(|(id, _)| *id)
                 .collect();
             for x in stuck {
@@ -132,6 +133,20 @@ impl UcxTransport {
     /// Notifications refused so far (malformed, too large, or while the inbox was full).
     pub fn dropped_notifications(&self) -> u64 {
         self.shared.lock().inbox.dropped
+    }
+
+    /// Transfers this agent did as host copies through a same-host peer's shared memory.
+    pub fn shared_memory_transfers(&self) -> u64 {
+        self.lock().shared_transfers
+    }
+
+    /// Whether `peer`'s memory in kvxfer shared memory is mapped here (a same-host peer),
+    /// so transfers on it are host copies.
+    pub fn maps_peer(&self, peer: PeerId) -> bool {
+        self.lock()
+            .peers
+            .get(&peer)
+            .is_some_and(|p| p.maps.at.iter().any(Option::is_some))
     }
 
     /// Whether this agent's endpoints detect dead peers: `Some(false)` once UCX chose
@@ -329,8 +344,24 @@ impl UcxTransport {
             .get(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
         let mut x = Xfer::new(peer, Phase::Data, note, regions);
+        let copies = if p.health.error.is_none() && !p.maps.files.is_empty() {
+            let regions: Vec<(MemoryKind, AddrRange)> =
+                p.regions.iter().map(|(k, r, _)| (*k, *r)).collect();
+            same_host::pairs(op, kinds, local, remote, &keys, &regions, &p.maps)
+        } else {
+            None
+        };
         if let Some(e) = &p.health.error {
             x.error = Some(format!("peer {:?} is unreachable: {e}", p.name));
+        } else if let Some(pairs) = copies {
+            let files = std::sync::Arc::clone(&p.maps.files);
+            match st.copier.start(&st.name, pairs, files) {
+                Ok(c) => {
+                    x.copies = Some(c);
+                    st.shared_transfers += 1;
+                }
+                Err(e) => x.error = Some(e),
+            }
         } else {
             let mut param = x.params();
             // Our registration's handle and memory type: UCX skips its per-request lookups.
@@ -441,6 +472,12 @@ impl Transport for UcxTransport {
             sys::api().ucp_rkey_buffer_release(buf);
             v
         };
+        let shared = match kind {
+            MemoryKind::Host if st.config.shared_memory => {
+                kvxfer_core::shm::export_of(range.addr, range.len)
+            }
+            _ => None,
+        };
         let id = st.next();
         st.regions.insert(
             id,
@@ -449,6 +486,7 @@ impl Transport for UcxTransport {
                 range,
                 memh,
                 rkey,
+                shared,
             },
         );
         let owner: Arc<Shared> = Arc::clone(&self.shared);
@@ -467,8 +505,10 @@ impl Transport for UcxTransport {
                     kind: r.kind,
                     range: r.range,
                     rkey: r.rkey.clone(),
+                    shared: r.shared,
                 })
                 .collect(),
+            host: kvxfer_core::shm::host_id(),
         };
         Ok(meta.encode())
     }
@@ -492,11 +532,17 @@ impl Transport for UcxTransport {
         let ep = st.connect(&meta.worker_address, &mut health).map_err(|e| {
             TransportError::InvalidMetadata(format!("UCX refused the worker address: {e}"))
         })?;
+        let maps = if st.config.shared_memory {
+            PeerMaps::attach(&meta)
+        } else {
+            PeerMaps::default()
+        };
         let mut peer = Peer {
             name: meta.name,
             ep,
             regions: Vec::with_capacity(meta.regions.len()),
             health,
+            maps,
         };
         for r in &meta.regions {
             let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
@@ -605,8 +651,13 @@ impl Transport for UcxTransport {
         let st = &mut *st;
         let x = st.xfers.get_mut(&xfer).expect("checked above");
         loop {
-            if x.pending > 0 {
+            if x.busy() {
                 return Ok(XferStatus::InProgress);
+            }
+            if let Some(c) = x.copies.take() {
+                if x.error.is_none() {
+                    x.error = c.error();
+                }
             }
             match x.phase {
                 Phase::Data if x.error.is_none() && x.notification.is_some() => {

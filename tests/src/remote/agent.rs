@@ -123,7 +123,21 @@ impl RemoteAgent {
     /// like an engine's cache), filled like `Buffer::new(len, Some(seed))`; it can then be
     /// registered with this agent. Freed when the helper exits.
     pub fn alloc_filled(&self, len: u64, seed: u64) -> TransportResult<u64> {
-        self.id(&Request::AllocFilled { len, seed })
+        self.id(&Request::AllocFilled {
+            len,
+            seed,
+            shared: false,
+        })
+    }
+
+    /// Like [`RemoteAgent::alloc_filled`], in kvxfer shared memory
+    /// ([`kvxfer_core::shm::SharedHostMem`]), which a same-host peer's transport may map.
+    pub fn alloc_shared_filled(&self, len: u64, seed: u64) -> TransportResult<u64> {
+        self.id(&Request::AllocFilled {
+            len,
+            seed,
+            shared: true,
+        })
     }
 
     fn done(&self, req: &Request) -> TransportResult<()> {

@@ -16,7 +16,7 @@ pub fn serve<T: Transport>(mut t: T) {
     let mut regs: std::collections::HashMap<u64, (Registration, Option<SharedMapping>)> =
         Default::default();
     let mut attached: std::collections::HashMap<u64, (SharedMapping, usize)> = Default::default();
-    let mut owned: Vec<kvxfer_core::host_mem::HostMem> = Vec::new();
+    let mut owned: Vec<Own> = Vec::new();
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     for line in stdin.lock().lines() {
@@ -30,10 +30,14 @@ pub fn serve<T: Transport>(mut t: T) {
         };
         let shutdown = matches!(req, Request::Shutdown);
         let reply = match req {
-            Request::AllocFilled { len, seed } => {
-                let mut m = kvxfer_core::host_mem::HostMem::new(len as usize, 1);
-                crate::memory::fill(m.as_mut_slice(), Some(seed));
-                let addr = m.addr();
+            Request::AllocFilled { len, seed, shared } => {
+                let mut m = if shared {
+                    Own::Shared(kvxfer_core::shm::SharedHostMem::new(len as usize, 1))
+                } else {
+                    Own::Private(kvxfer_core::host_mem::HostMem::new(len as usize, 1))
+                };
+                crate::memory::fill(m.bytes(), Some(seed));
+                let addr = m.bytes().as_ptr() as u64;
                 owned.push(m);
                 Reply::Id(addr)
             }
@@ -41,7 +45,7 @@ pub fn serve<T: Transport>(mut t: T) {
                 kind: None,
                 range,
                 mapping: None,
-            } if !owned.iter().any(|m| m.contains(range.0, range.1)) => {
+            } if !owned.iter_mut().any(|m| m.contains(range.0, range.1)) => {
                 Reply::Err(WireError::InvalidRegistration(
                     "host memory for a helper process must be shared test memory or its own".into(),
                 ))
@@ -66,6 +70,30 @@ pub fn serve<T: Transport>(mut t: T) {
     drop(owned);
     for (m, _) in attached.values() {
         crate::shared_mem::detach(m);
+    }
+}
+
+/// Memory the helper allocated itself.
+enum Own {
+    Private(kvxfer_core::host_mem::HostMem),
+    Shared(kvxfer_core::shm::SharedHostMem),
+}
+
+impl Own {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Own::Private(m) => m,
+            Own::Shared(m) => m,
+        }
+    }
+
+    fn contains(&mut self, addr: u64, len: u64) -> bool {
+        let b = self.bytes();
+        let start = b.as_ptr() as u64;
+        addr >= start
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= start + b.len() as u64)
     }
 }
 

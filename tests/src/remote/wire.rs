@@ -68,11 +68,13 @@ pub enum Request {
     },
     Status(u64),
     Release(u64),
-    /// Allocates `len` bytes of the helper's own anonymous memory (huge pages advised),
-    /// filled like `Buffer::new(len, Some(seed))`; replies with the address.
+    /// Allocates `len` bytes of the helper's own memory — anonymous with huge pages
+    /// advised, or kvxfer shared memory when `shared` — filled like
+    /// `Buffer::new(len, Some(seed))`; replies with the address.
     AllocFilled {
         len: u64,
         seed: u64,
+        shared: bool,
     },
     SendNotification(u64, Vec<u8>),
     Drain,
