@@ -9,12 +9,15 @@
 //! same 8192 × 32 KiB message shape.
 //!
 //! Reading the ratios: `ucx_perftest` allocates its buffers through UCX, in shared-memory
-//! segments the reader maps directly (with `UCX_TLS=posix,self` alone it still reaches
-//! ~10 GB/s on this machine kind), and copies one 268 MB block. An engine's cache is its own
-//! memory, which UCX can only reach one-sidedly through CMA (`process_vm_readv`), and a
+//! segments the reader maps directly, and copies one 268 MB block. An engine's cache is its
+//! own memory, which UCX can only reach one-sidedly through CMA (`process_vm_readv`), and a
 //! fragmented request is 8192 separate 32 KiB copies; the memcpy line shows what such copies
-//! cost on the machine. The streaming-copy line is the ceiling: the same blocks copied with
-//! non-temporal stores (what memcpy uses for one huge copy), measured in this process.
+//! cost on the machine. A source in kvxfer shared memory (`SharedHostMem`) is mapped by the
+//! reader, and its READ is host copies on the reader's copy workers (the line "source in
+//! shared memory"; polled with 50 µs pauses, where the UCX lines spin because UCX requests
+//! only progress when polled). The references: the same blocks copied with non-temporal
+//! stores by one thread, and by one thread per core (the machine's copy ceiling), measured
+//! in this process.
 //!
 //! `cargo bench -p kvxfer-tests --features ucx --bench ucx_read [-- ROUNDS]`
 
@@ -33,6 +36,8 @@ const BLOCK: u64 = 32 << 10;
 const BLOCKS: u64 = 8192;
 const TOTAL: u64 = BLOCK * BLOCKS;
 const H: MemoryKind = MemoryKind::Host;
+/// Pause between polls of a transfer done by copy workers.
+const POLL_PAUSE: Duration = Duration::from_micros(50);
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -60,8 +65,17 @@ enum Shape {
     Whole,
 }
 
+/// Where the source process keeps its cache.
+#[derive(Clone, Copy, PartialEq)]
+enum Source {
+    /// Its own anonymous memory (an engine's cache): UCX reaches it through CMA.
+    Private,
+    /// kvxfer shared memory (`SharedHostMem`): the reader maps it and copies.
+    Shared,
+}
+
 /// Median bytes/s of `rounds` READs of the whole shape, after two warm-up rounds.
-fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
+fn kvxfer_read(tls: &str, rounds: usize, shape: Shape, source: Source) -> (f64, Duration) {
     let perm = match shape {
         Shape::Fragmented => permutation(42),
         Shape::InOrder | Shape::Whole => (0..BLOCKS).collect(),
@@ -80,7 +94,11 @@ fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
     )
     .expect("UCX agent");
     // Engine-like memory on both sides: anonymous, huge pages advised.
-    let src_addr = b.alloc_filled(TOTAL, 1).expect("helper memory");
+    let src_addr = match source {
+        Source::Private => b.alloc_filled(TOTAL, 1),
+        Source::Shared => b.alloc_shared_filled(TOTAL, 1),
+    }
+    .expect("helper memory");
     let _src_reg = b
         .register(H, AddrRange::new(src_addr, TOTAL))
         .expect("register source");
@@ -91,6 +109,11 @@ fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
         .register(H, AddrRange::new(dst.addr(), TOTAL))
         .expect("register destination");
     let peer = a.load_peer(&b.metadata().expect("metadata")).expect("load");
+    assert_eq!(
+        a.maps_peer(peer),
+        source == Source::Shared,
+        "the path taken"
+    );
     let blocks = |base: u64| -> Vec<AddrRange> {
         (0..count)
             .map(|i| AddrRange::new(base + i * len, len))
@@ -111,6 +134,12 @@ fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
             .expect("post");
         loop {
             match a.status(x).expect("status") {
+                // UCX requests progress only when polled: spin. Copies run on their own
+                // workers: pause between polls (as `kvxfer bench` does) instead of taking
+                // one of the cores they copy on.
+                XferStatus::InProgress if source == Source::Shared => {
+                    std::thread::sleep(POLL_PAUSE)
+                }
                 XferStatus::InProgress => {}
                 XferStatus::Done => break,
                 XferStatus::Failed(e) => panic!("READ failed: {e}"),
@@ -132,6 +161,12 @@ fn kvxfer_read(tls: &str, rounds: usize, shape: Shape) -> (f64, Duration) {
             "block {i} differs"
         );
     }
+    let copied = a.shared_memory_transfers();
+    assert_eq!(
+        copied > 0,
+        source == Source::Shared,
+        "{copied} mapped copies"
+    );
     drop(dst_reg);
     (median(&mut times), first)
 }
@@ -238,6 +273,36 @@ fn memcpy(rounds: usize, perm: Option<&[u64]>, how: Copier) -> f64 {
     median(&mut times[1..])
 }
 
+/// Median bytes/s of streaming copies of the same blocks by one thread per core, each
+/// taking an equal share of the blocks: the machine's copy ceiling for this shape.
+fn ceiling(rounds: usize, perm: &[u64]) -> (f64, usize) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut src = HostMem::new(TOTAL as usize, 1);
+    fill(src.as_mut_slice(), Some(3));
+    let mut dst = HostMem::new(TOTAL as usize, 1);
+    let src = src.as_slice();
+    let share = perm.len().div_ceil(threads);
+    let mut times = Vec::new();
+    for _ in 0..rounds + 1 {
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            let chunks = dst.as_mut_slice().chunks_mut(share * BLOCK as usize);
+            for (dst, perm) in chunks.zip(perm.chunks(share)) {
+                scope.spawn(move || {
+                    for (i, &p) in perm.iter().enumerate() {
+                        let (d, s) = ((i as u64 * BLOCK) as usize, (p * BLOCK) as usize);
+                        stream_copy(&mut dst[d..d + BLOCK as usize], &src[s..s + BLOCK as usize]);
+                    }
+                    host_copy::fence(Method::Streaming);
+                });
+            }
+        });
+        std::hint::black_box(&dst);
+        times.push(TOTAL as f64 / start.elapsed().as_secs_f64());
+    }
+    (median(&mut times[1..]), threads)
+}
+
 fn main() {
     let rounds: usize = std::env::args()
         .filter_map(|a| a.parse().ok())
@@ -253,6 +318,7 @@ fn main() {
     let copy = memcpy(rounds, Some(&perm), Copier::Memcpy);
     let streamed = memcpy(rounds, Some(&perm), Copier::Streaming);
     let one_copy = memcpy(rounds, None, Copier::Memcpy);
+    let (ceiling, threads) = ceiling(rounds, &perm);
     println!(
         "in-process references: memcpy of the blocks {:.2} GB/s, streaming copy of the blocks {:.2} GB/s, one {:.0} MB memcpy {:.2} GB/s",
         gb(copy),
@@ -261,13 +327,15 @@ fn main() {
         gb(one_copy)
     );
     println!(
-        "  ceiling for this shape: the streaming copy of the blocks is {:.2}x of one big memcpy",
-        streamed / one_copy
+        "  ceiling for this shape: the streaming copy of the blocks is {:.2}x of one big memcpy; {threads} threads streaming the blocks {:.2} GB/s (the machine's copy ceiling)",
+        streamed / one_copy,
+        gb(ceiling)
     );
     for tls in ["sm,self", "tcp,self"] {
-        let (ours, first) = kvxfer_read(tls, rounds, Shape::Fragmented);
-        let (in_order, _) = kvxfer_read(tls, rounds, Shape::InOrder);
-        let (one, _) = kvxfer_read(tls, rounds, Shape::Whole);
+        let (ours, first) = kvxfer_read(tls, rounds, Shape::Fragmented, Source::Private);
+        let (in_order, _) = kvxfer_read(tls, rounds, Shape::InOrder, Source::Private);
+        let (one, _) = kvxfer_read(tls, rounds, Shape::Whole, Source::Private);
+        let (mapped, mapped_first) = kvxfer_read(tls, rounds, Shape::Fragmented, Source::Shared);
         let whole = perftest(tls, TOTAL, rounds as u64, 2);
         let shaped = perftest(tls, BLOCK, BLOCKS * rounds as u64, BLOCKS);
         println!("UCX_TLS={tls}");
@@ -284,6 +352,11 @@ fn main() {
             "  kvxfer READ, 1 descriptor           {:>7.2} GB/s",
             gb(one)
         );
+        println!(
+            "  kvxfer READ, 8192 random blocks, source in shared memory {:>7.2} GB/s   first transfer {:.1} ms",
+            gb(mapped),
+            mapped_first.as_secs_f64() * 1e3
+        );
         match &whole {
             Ok(p) => println!(
                 "  ucx_perftest ucp_get, 1 x {:.0} MB  {:>7.2} GB/s   ratio: random {:.2}x, in order {:.2}x, 1 descriptor {:.2}x",
@@ -294,6 +367,14 @@ fn main() {
                 one / p
             ),
             Err(e) => println!("  ucx_perftest (same total bytes): {e}"),
+        }
+        if let Ok(p) = &whole {
+            println!(
+                "  shared memory: random blocks {:.2}x ucx_perftest 1 x {:.0} MB, {:.2}x the copy ceiling",
+                mapped / p,
+                TOTAL as f64 / 1e6,
+                mapped / ceiling
+            );
         }
         match &shaped {
             Ok(p) => println!(
