@@ -11,6 +11,8 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
   side. :mod:`kvxfer.sglang` runs them as SGLang's ``kvxfer`` transfer backend.
 - :class:`Registration` and :class:`FleetWatch` — fleet discovery through etcd: a
   process's rank registered under its own lease, and a watch of one role's engines.
+- :class:`SharedHostMemory` — a host cache in kvxfer shared memory: same-host ``ucx`` agents
+  map each other's and copy directly instead of going through the kernel per block.
 - :func:`ucx_version` — the UCX library the ``ucx`` transport uses in this process, and
   :mod:`kvxfer.ucx` to choose it.
 - The exceptions, all subclasses of :class:`KvxferError`.
@@ -36,6 +38,7 @@ from kvxfer._kvxfer import (
     PushPrefill,
     PushRegistry,
     Registration,
+    SharedHostMemory,
     ShutDownError,
     SideChannelError,
     TransferFailedError,
@@ -65,6 +68,7 @@ __all__ = [
     "PushPrefill",
     "PushRegistry",
     "Registration",
+    "SharedHostMemory",
     "ShutDownError",
     "SideChannelError",
     "TransferFailedError",

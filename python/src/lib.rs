@@ -1,7 +1,8 @@
 //! `kvxfer._kvxfer`: the Python extension module. Thin bindings over the Rust core — the
 //! transport agent (`agent`), the pull connector halves (`pull`), the push connector's
 //! registry and ranks (`push`) — with typed exceptions (`errors`), the cache description
-//! (`cache`) and checks at the boundary (`args`, `memory`).
+//! (`cache`), host memory same-host peers map (`shared_memory`) and checks at the boundary
+//! (`args`, `memory`).
 
 mod agent;
 mod args;
@@ -11,6 +12,7 @@ mod errors;
 mod memory;
 mod pull;
 mod push;
+mod shared_memory;
 mod slot;
 
 use pyo3::prelude::*;
@@ -46,6 +48,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add_class::<agent::Agent>()?;
+    m.add_class::<shared_memory::SharedHostMemory>()?;
     m.add_class::<pull::PullScheduler>()?;
     m.add_class::<pull::PullWorker>()?;
     m.add_class::<push::PushRegistry>()?;
