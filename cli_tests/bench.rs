@@ -288,15 +288,23 @@ fn serve_and_bench_in_two_processes_over_ucx() {
 }
 
 /// `kvxfer serve` in one process, `kvxfer bench --connect` in another, over `transport`;
-/// Ctrl-C (SIGINT) ends the server cleanly. Skipped with a printed reason where the build
-/// or machine lacks the transport.
+/// Ctrl-C (SIGINT) ends the server cleanly. Over UCX also with both caches in kvxfer shared
+/// memory (same-host copies instead of UCX requests). Skipped with a printed reason where
+/// the build or machine lacks the transport.
 fn serve_and_bench_in_two_processes(transport: &str) {
-    for mode in ["pull", "push"] {
-        serve_and_bench(transport, mode);
+    let memories: &[&str] = if transport == "ucx" {
+        &["host", "shared-host"]
+    } else {
+        &["host"]
+    };
+    for memory in memories {
+        for mode in ["pull", "push"] {
+            serve_and_bench(transport, mode, memory);
+        }
     }
 }
 
-fn serve_and_bench(transport: &str, mode: &str) {
+fn serve_and_bench(transport: &str, mode: &str, memory: &str) {
     if !runnable(transport, "two-process run") {
         return;
     }
@@ -310,6 +318,8 @@ fn serve_and_bench(transport: &str, mode: &str) {
         mode,
         "--tokens",
         "64",
+        "--memory",
+        memory,
     ];
     let (mut server, port) = spawn_serve(transport, &shape, None);
     let connect = format!("127.0.0.1:{port}");
@@ -331,7 +341,7 @@ fn serve_and_bench(transport: &str, mode: &str) {
     let pid = server.id().to_string();
     let _ = Command::new("kill").args(["-INT", &pid]).status();
     let status = server.wait().expect("serve exits");
-    assert_eq!(code, 0, "{mode} over {transport}: {err}");
+    assert_eq!(code, 0, "{mode} over {transport}, {memory} memory: {err}");
     assert!(
         out_text.contains(&format!("{mode} mode over {transport}"))
             && out_text.contains("all correct"),

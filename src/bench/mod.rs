@@ -37,6 +37,9 @@ pub enum Mode {
 pub enum Memory {
     /// Host memory.
     Host,
+    /// Host memory in kvxfer shared memory (`kvxfer_core::shm::SharedHostMem`): a same-host
+    /// UCX peer maps it and its transfers are host copies.
+    SharedHost,
     /// GPU memory.
     Gpu,
 }

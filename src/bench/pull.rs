@@ -57,7 +57,7 @@ fn side(
                 c.block_size,
                 num_blocks,
             ))?;
-            let mut rank = Rank::new(spec, heads.first)?;
+            let mut rank = Rank::new(spec, heads.first, c.memory)?;
             if prefill {
                 fill::fill(&mut rank.mem, &spec, (heads.first, 0));
             }

@@ -75,7 +75,7 @@ fn ranks(
                 c.block_size,
                 num_blocks,
             ))?;
-            let mut rank = Rank::new(spec, heads.first)?;
+            let mut rank = Rank::new(spec, heads.first, c.memory)?;
             rank.first_layer = layers.first;
             if side == Side::Prefill {
                 fill::fill(&mut rank.mem, &spec, (heads.first, layers.first));

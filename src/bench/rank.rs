@@ -1,25 +1,62 @@
 //! One rank's KV cache for the bench: host memory laid out by its cache spec.
 
+use std::ops::{Deref, DerefMut};
+
 use kvxfer_core::MemoryKind;
+use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::pull::KvCache;
+use kvxfer_core::shm::SharedHostMem;
 use kvxfer_layout::CacheSpec;
 
-use super::BenchError;
+use super::{BenchError, Memory};
 use crate::models::ModelShape;
 
+/// A rank's bytes: private, or in kvxfer shared memory (`--memory shared-host`).
+pub(crate) enum RankMem {
+    Private(HostMem),
+    Shared(SharedHostMem),
+}
+
+impl Deref for RankMem {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            RankMem::Private(m) => m,
+            RankMem::Shared(m) => m,
+        }
+    }
+}
+
+impl DerefMut for RankMem {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            RankMem::Private(m) => m,
+            RankMem::Shared(m) => m,
+        }
+    }
+}
+
 pub(crate) struct Rank {
-    pub(crate) mem: kvxfer_core::host_mem::HostMem,
+    pub(crate) mem: RankMem,
     pub(crate) spec: CacheSpec,
     pub(crate) first_head: u32,
     pub(crate) first_layer: u32,
 }
 
 impl Rank {
-    pub(crate) fn new(spec: CacheSpec, first_head: u32) -> Result<Self, BenchError> {
+    pub(crate) fn new(
+        spec: CacheSpec,
+        first_head: u32,
+        memory: Memory,
+    ) -> Result<Self, BenchError> {
         let len = usize::try_from(spec.total_bytes())
             .map_err(|_| BenchError::Config("KV cache larger than the address space".into()))?;
         Ok(Rank {
-            mem: kvxfer_core::host_mem::HostMem::try_new(len, 0x5a)?,
+            mem: match memory {
+                Memory::SharedHost => RankMem::Shared(SharedHostMem::try_new(len, 0x5a)?),
+                _ => RankMem::Private(HostMem::try_new(len, 0x5a)?),
+            },
             spec,
             first_head,
             first_layer: 0,

@@ -48,6 +48,8 @@ pub(crate) enum CacheArg {
 pub(crate) enum MemoryArg {
     /// Host (CPU) memory.
     Host,
+    /// Host memory in kvxfer shared memory: a same-host UCX peer maps it and copies.
+    SharedHost,
     /// GPU memory: not supported by `bench` yet (refused with a message).
     Gpu,
 }
@@ -64,6 +66,7 @@ impl From<MemoryArg> for Memory {
     fn from(m: MemoryArg) -> Memory {
         match m {
             MemoryArg::Host => Memory::Host,
+            MemoryArg::SharedHost => Memory::SharedHost,
             MemoryArg::Gpu => Memory::Gpu,
         }
     }
@@ -230,6 +233,9 @@ pub(crate) enum Command {
         /// Transport (one that crosses processes: ucx or nixl).
         #[arg(long, default_value = "nixl")]
         transport: TransportKind,
+        /// Memory the caches live in (host, or shared-host for same-host UCX peers).
+        #[arg(long, value_enum, default_value = "host")]
+        memory: MemoryArg,
         /// Transfer style the decode side will use (`bench --mode`): pull serves READs,
         /// push WRITEs each room a decode asks for.
         #[arg(long, value_enum, default_value = "pull")]

@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kvxfer::bench::{BenchConfig, Memory, Mode};
+use kvxfer::bench::{BenchConfig, Mode};
 use kvxfer::inspect::{InspectConfig, report};
 
 use super::args::{Command, Shape, SweepParam, block_order, with_cache};
@@ -29,6 +29,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
             duration,
             num_blocks,
             transport,
+            memory,
             mode,
             tokens,
             pp,
@@ -63,7 +64,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 warmup: 0,
                 fragmented: !contiguous,
                 transport,
-                memory: Memory::Host,
+                memory: memory.into(),
                 mode: mode.into(),
                 seed,
                 connect: None,
