@@ -257,35 +257,21 @@ fn parse_boot_id(text: &str) -> Option<Token> {
     Some(id)
 }
 
-/// A peer's memfd mapped into this process; unmapped on drop.
+/// A same-host peer process: watched through a pidfd (so a copy can tell that it read a dead
+/// peer's memory), and its mappings as they were when it was loaded.
 #[derive(Debug)]
-pub struct PeerFile {
-    ptr: *mut u8,
-    len: usize,
-    /// The owning process, to tell a copy that it read a dead peer's memory.
-    owner: OwnedFd,
+pub struct Owner {
+    pid: u32,
+    pidfd: OwnedFd,
+    maps: String,
 }
 
-// SAFETY: a mapping owned by this value; copies through it are the caller's business.
-unsafe impl Send for PeerFile {}
-unsafe impl Sync for PeerFile {}
-
-impl PeerFile {
-    /// Maps the memfd `e` names, or says why not: another process's descriptor, a link
-    /// that is not the memfd of `e.token`, a size other than `e.file_len`, or a file that
-    /// could shrink.
-    pub fn attach(e: &Export) -> Result<PeerFile, String> {
-        let len = usize::try_from(e.file_len)
-            .ok()
-            .filter(|&l| l > 0)
-            .ok_or_else(|| format!("memfd size {}", e.file_len))?;
-        if e.fd < 0 {
-            return Err(format!("descriptor {}", e.fd));
-        }
-        let pid = libc::pid_t::try_from(e.pid).map_err(|_| format!("pid {}", e.pid))?;
-        // The process first: the link check below then proves this is the memfd's owner.
+impl Owner {
+    /// Opens process `pid`, or says why not (gone, another user's, no pidfd support).
+    pub fn open(pid: u32) -> Result<Owner, String> {
+        let id = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid}"))?;
         // SAFETY: a plain system call; the descriptor is owned below.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, id, 0) };
         if raw < 0 {
             return Err(format!(
                 "pidfd_open({pid}): {}",
@@ -293,42 +279,160 @@ impl PeerFile {
             ));
         }
         // SAFETY: a fresh descriptor nobody else owns.
-        let owner = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        // Read after the pidfd: if `pid` was reused since, these are the new process's maps,
+        // which then do not place the advertised memfds.
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .map_err(|e| format!("/proc/{pid}/maps: {e}"))?;
+        Ok(Owner { pid, pidfd, maps })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&self) -> bool {
+        running(&self.pidfd)
+    }
+
+    /// Whether the process maps byte `offset` of file `(dev, inode)` at `addr`, and the
+    /// following `len` bytes in the same mapping.
+    fn places(&self, file: (u64, u64), addr: u64, len: u64, offset: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        self.maps.lines().filter_map(parse_maps_line).any(|m| {
+            m.file == file
+                && m.start <= addr
+                && end <= m.end
+                && m.offset.checked_add(addr - m.start) == Some(offset)
+        })
+    }
+}
+
+/// One line of `/proc/<pid>/maps`: `start-end perms offset major:minor inode path`.
+struct MapsLine {
+    start: u64,
+    end: u64,
+    offset: u64,
+    /// `(device, inode)`, the device as `makedev(major, minor)`.
+    file: (u64, u64),
+}
+
+fn parse_maps_line(line: &str) -> Option<MapsLine> {
+    let mut f = line.split_whitespace();
+    let (start, end) = f.next()?.split_once('-')?;
+    let _perms = f.next()?;
+    let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+    let (major, minor) = f.next()?.split_once(':')?;
+    let inode: u64 = f.next()?.parse().ok()?;
+    let dev = libc::makedev(
+        u32::from_str_radix(major, 16).ok()?,
+        u32::from_str_radix(minor, 16).ok()?,
+    );
+    Some(MapsLine {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        offset,
+        file: (dev, inode),
+    })
+}
+
+/// Whether the process of a pidfd is still running.
+fn running(pidfd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait. A pidfd is readable once its process exited.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n == 0
+}
+
+/// A peer's memfd mapped into this process; unmapped on drop.
+#[derive(Debug)]
+pub struct PeerFile {
+    ptr: *mut u8,
+    len: usize,
+    /// `(device, inode)` of the file.
+    file: (u64, u64),
+}
+
+// SAFETY: a mapping owned by this value; copies through it are the caller's business.
+unsafe impl Send for PeerFile {}
+unsafe impl Sync for PeerFile {}
+
+fn fstat(fd: &OwnedFd) -> Result<libc::stat, String> {
+    // SAFETY: `st` is written by fstat on a live descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    Ok(st)
+}
+
+fn open_fd(path: &str, flags: i32) -> Result<OwnedFd, String> {
+    let c = CString::new(path).map_err(|_| "NUL in a path".to_string())?;
+    // SAFETY: a valid C string; the descriptor is owned below.
+    let raw = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    if raw < 0 {
+        return Err(format!("{path}: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+impl PeerFile {
+    /// Maps the memfd `e` names in process `owner`, or says why not. The file must be the
+    /// memfd of `e.token` (its link checked on a path-only descriptor, so nothing else is
+    /// ever opened for reading or writing), on tmpfs, of `e.file_len` bytes with every page
+    /// allocated (a sparse file would fault pages into this process's memory), and sealed so
+    /// it cannot shrink under the mapping.
+    pub fn attach(owner: &Owner, e: &Export) -> Result<PeerFile, String> {
+        let len = usize::try_from(e.file_len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or_else(|| format!("memfd size {}", e.file_len))?;
+        if e.fd < 0 || e.pid != owner.pid {
+            return Err(format!("descriptor {} of process {}", e.fd, e.pid));
+        }
         let want = memfd_link(&e.token);
         let path = format!("/proc/{}/fd/{}", e.pid, e.fd);
-        // The link is checked before opening, so no other kind of file is ever opened.
-        let link = std::fs::read_link(&path).map_err(|err| format!("{path}: {err}"))?;
+        let handle = open_fd(&path, libc::O_PATH)?;
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+            .map_err(|err| format!("{path}: {err}"))?;
         if link.as_os_str() != want.as_str() {
             return Err(format!("{path} is not the advertised memfd"));
         }
-        let c = CString::new(path.clone()).expect("no NUL in a /proc path");
-        // SAFETY: a valid C string; the descriptor is owned below.
-        let raw = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK,
-            )
-        };
-        if raw < 0 {
-            return Err(format!("{path}: {}", std::io::Error::last_os_error()));
+        let st = fstat(&handle)?;
+        // SAFETY: `sfs` is written by fstatfs on a live descriptor.
+        let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatfs(handle.as_raw_fd(), &mut sfs) } != 0
+            || sfs.f_type != libc::TMPFS_MAGIC
+        {
+            return Err(format!("{path} is not on tmpfs"));
         }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // The descriptor may have changed between the check and the open: check what we got.
-        let ours = std::fs::read_link(format!("/proc/self/fd/{raw}")).map_err(|e| e.to_string())?;
-        if ours.as_os_str() != want.as_str() {
-            return Err(format!("{path} changed while opening"));
-        }
-        // SAFETY: `st` is written by fstat on our descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(std::io::Error::last_os_error().to_string());
-        }
-        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_size as u64 != e.file_len {
+        let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG
+            || st.st_size as u64 != e.file_len
+            || blocks < e.file_len
+        {
             return Err(format!(
-                "memfd holds {} bytes, {} advertised",
+                "memfd holds {} bytes ({blocks} allocated), {} advertised",
                 st.st_size, e.file_len
             ));
+        }
+        // Now the file itself, through the checked handle.
+        let fd = open_fd(
+            &format!("/proc/self/fd/{}", handle.as_raw_fd()),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_NONBLOCK,
+        )?;
+        let again = fstat(&fd)?;
+        if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino) {
+            return Err(format!("{path} changed while opening"));
         }
         // SAFETY: plain call on our descriptor.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -352,33 +456,18 @@ impl PeerFile {
         Ok(PeerFile {
             ptr: ptr.cast(),
             len,
-            owner,
+            file: (st.st_dev as u64, st.st_ino as u64),
         })
     }
 
-    /// Whether the process that owns the memfd is still running: bytes copied from a dead
-    /// peer's memory are not a transfer (CMA would have failed).
-    pub fn owner_alive(&self) -> bool {
-        running(&self.owner)
-    }
-
-    /// Address in this process of `[offset, offset + len)` of the file, when it lies inside.
-    pub fn at(&self, offset: u64, len: u64) -> Option<u64> {
+    /// Address in this process of the owner's region `[addr, addr + len)`, which it says is
+    /// byte `offset` on of this file: only when the owner maps the file there (so a region
+    /// cannot name other bytes of the file than its own) and the range lies inside it.
+    pub fn region(&self, owner: &Owner, addr: u64, len: u64, offset: u64) -> Option<u64> {
         let end = offset.checked_add(len)?;
-        (end <= self.len as u64).then(|| self.ptr as u64 + offset)
+        (end <= self.len as u64 && owner.places(self.file, addr, len, offset))
+            .then(|| self.ptr as u64 + offset)
     }
-}
-
-/// Whether the process of a pidfd is still running.
-fn running(pidfd: &OwnedFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, no wait. A pidfd is readable once its process exited.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n == 0
 }
 
 impl Drop for PeerFile {
@@ -391,6 +480,10 @@ impl Drop for PeerFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn me() -> Owner {
+        Owner::open(std::process::id()).unwrap()
+    }
 
     #[test]
     fn a_region_of_an_allocation_is_exported_and_maps_the_same_bytes() {
@@ -405,8 +498,12 @@ mod tests {
             "past the end"
         );
         assert!(export_of(u64::MAX, 2).is_none());
-        let f = PeerFile::attach(&e).expect("attach");
-        let p = f.at(e.offset, 8192).expect("in the file") as *mut u8;
+        let owner = me();
+        assert!(owner.alive());
+        let f = PeerFile::attach(&owner, &e).expect("attach");
+        let p = f
+            .region(&owner, m.addr() + 4096, 8192, 4096)
+            .expect("placed") as *mut u8;
         m[4096] = 42;
         // SAFETY: 8192 bytes mapped at `p`.
         unsafe {
@@ -414,13 +511,26 @@ mod tests {
             *p.add(1) = 43;
         }
         assert_eq!(m[4097], 43, "the owner sees the peer's store");
-        assert!(f.owner_alive());
-        assert_eq!(f.at(0, 3 << 20), Some(f.ptr as u64));
-        assert_eq!(f.at(1, 3 << 20), None);
-        assert_eq!(f.at(u64::MAX, 2), None);
+        let whole = f.region(&owner, m.addr(), 3 << 20, 0);
+        assert_eq!(whole, Some(f.ptr as u64));
+        // Other bytes of the file than the owner maps at that address, or past its end.
+        assert_eq!(f.region(&owner, m.addr() + 4096, 8192, 0), None);
+        assert_eq!(f.region(&owner, m.addr(), 8192, 4096), None);
+        assert_eq!(f.region(&owner, m.addr() + 1, 3 << 20, 1), None);
+        assert_eq!(f.region(&owner, u64::MAX, 2, 0), None);
+        // Where the owner maps another file at that offset.
+        let other = SharedHostMem::new(1 << 20, 0);
+        let owner = me();
+        assert_eq!(f.region(&owner, other.addr(), 4096, 0), None);
+        assert!(f.region(&owner, m.addr(), 4096, 0).is_some());
+        assert_eq!(f.region(&owner, m.addr(), 1, u64::MAX), None);
+        let token = e.token;
         let addr = m.addr();
         drop(m);
-        assert!(export_of(addr, 1).is_none(), "gone with its memory");
+        assert!(
+            export_of(addr, 1).is_none_or(|e| e.token != token),
+            "gone with its memory"
+        );
         // SAFETY: the peer's mapping outlives the owner's.
         unsafe { assert_eq!(*p, 42) };
     }
@@ -429,77 +539,111 @@ mod tests {
     fn attach_refuses_what_the_export_does_not_name() {
         let m = SharedHostMem::new(1 << 20, 0);
         let e = export_of(m.addr(), 1).unwrap();
+        let owner = me();
         let mut wrong_token = e;
         wrong_token.token[0] ^= 1;
-        assert!(
-            PeerFile::attach(&wrong_token)
-                .unwrap_err()
-                .contains("not the advertised")
-        );
+        let err = PeerFile::attach(&owner, &wrong_token).unwrap_err();
+        assert!(err.contains("not the advertised"), "{err}");
         let bigger = Export {
             file_len: e.file_len + 4096,
             ..e
         };
         assert!(
-            PeerFile::attach(&bigger)
+            PeerFile::attach(&owner, &bigger)
                 .unwrap_err()
                 .contains("advertised")
         );
-        let other_fd = Export { fd: 0, ..e };
-        assert!(PeerFile::attach(&other_fd).is_err());
-        assert!(PeerFile::attach(&Export { fd: -1, ..e }).is_err());
-        assert!(PeerFile::attach(&Export { file_len: 0, ..e }).is_err());
-        let no_process = Export { pid: u32::MAX, ..e };
-        assert!(PeerFile::attach(&no_process).is_err());
+        assert!(PeerFile::attach(&owner, &Export { fd: 0, ..e }).is_err());
+        assert!(PeerFile::attach(&owner, &Export { fd: -1, ..e }).is_err());
+        assert!(PeerFile::attach(&owner, &Export { file_len: 0, ..e }).is_err());
+        let other = Export {
+            pid: e.pid + 1,
+            ..e
+        };
+        assert!(PeerFile::attach(&owner, &other).is_err(), "not the owner's");
+        assert!(Owner::open(u32::MAX).is_err());
+        assert!(PeerFile::attach(&owner, &e).is_ok());
+    }
+
+    /// A memfd of `len` bytes named for `token`, sealed or not, allocated or sparse.
+    fn memfd(token: &Token, len: i64, sealed: bool, allocated: bool) -> OwnedFd {
+        let name = CString::new(memfd_name(token)).unwrap();
+        // SAFETY: a valid C string.
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        assert!(raw >= 0);
+        // SAFETY: a fresh descriptor, then plain calls on it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        unsafe {
+            assert_eq!(libc::ftruncate(raw, len), 0);
+            if allocated {
+                assert_eq!(libc::fallocate(raw, 0, 0, len), 0);
+            }
+            if sealed {
+                assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+            }
+        }
+        fd
     }
 
     #[test]
-    fn an_unsealed_memfd_is_refused() {
+    fn unsealed_and_sparse_memfds_are_refused() {
         let token: Token = rand::random();
-        let name = CString::new(memfd_name(&token)).unwrap();
-        // SAFETY: a valid C string.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: a fresh descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
-        let e = Export {
+        let export = |fd: &OwnedFd| Export {
             pid: std::process::id(),
-            fd: raw,
+            fd: fd.as_raw_fd(),
             token,
-            file_len: 4096,
+            file_len: 1 << 16,
             offset: 0,
         };
-        assert!(PeerFile::attach(&e).unwrap_err().contains("shrink"));
+        let owner = me();
+        let unsealed = memfd(&token, 1 << 16, false, true);
+        let err = PeerFile::attach(&owner, &export(&unsealed)).unwrap_err();
+        assert!(err.contains("shrink"), "{err}");
+        let sparse = memfd(&token, 1 << 16, true, false);
+        let err = PeerFile::attach(&owner, &export(&sparse)).unwrap_err();
+        assert!(err.contains("allocated"), "{err}");
+        let good = memfd(&token, 1 << 16, true, true);
+        assert!(PeerFile::attach(&owner, &export(&good)).is_ok());
     }
 
     #[test]
-    fn a_peer_file_knows_when_its_owner_exited() {
-        let m = SharedHostMem::new(4096, 5);
-        let e = export_of(m.addr(), 4096).unwrap();
+    fn an_owner_knows_when_its_process_exited() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
             .unwrap();
-        // The child inherits nothing (CLOEXEC); attach to our own memfd with the child's
-        // pid instead: its fd table lacks it, so the link check refuses it.
+        let owner = Owner::open(child.id()).unwrap();
+        assert_eq!(owner.pid(), child.id());
+        assert!(owner.alive());
+        // Our memfd named as the child's: the child's fd table lacks it.
+        let m = SharedHostMem::new(4096, 5);
+        let e = export_of(m.addr(), 4096).unwrap();
         let theirs = Export {
             pid: child.id(),
             ..e
         };
-        assert!(PeerFile::attach(&theirs).is_err());
-        let f = PeerFile::attach(&e).unwrap();
-        assert!(f.owner_alive());
-        // The liveness check on the child's pidfd, before and after it ends.
-        // SAFETY: a plain system call; the descriptor is owned below.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
-        assert!(raw >= 0);
-        // SAFETY: a fresh descriptor.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-        assert!(running(&pidfd));
+        assert!(PeerFile::attach(&owner, &theirs).is_err());
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(!running(&pidfd), "the child exited");
+        assert!(!owner.alive(), "the child exited");
+    }
+
+    #[test]
+    fn maps_lines_parse_with_device_and_offset() {
+        let l = parse_maps_line(
+            "7f00a000-7f00c000 rw-s 00002000 00:01 4242  /memfd:kvxfer-shm-ab (deleted)",
+        )
+        .unwrap();
+        assert_eq!(
+            (l.start, l.end, l.offset),
+            (0x7f00_a000, 0x7f00_c000, 0x2000)
+        );
+        assert_eq!(l.file, (libc::makedev(0, 1), 4242));
+        assert!(parse_maps_line("7f00a000 rw-s 0 00:01 1").is_none());
+        assert!(parse_maps_line("x-y rw-s 0 00:01 1").is_none());
+        assert!(parse_maps_line("1-2 rw-s 0 0001 1").is_none());
     }
 
     #[test]

@@ -44,17 +44,25 @@ fn main() {
     #[cfg(feature = "ucx")]
     {
         use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
-        let make = |name: &str| {
+        let make = |name: &str, shared_memory: bool| {
             UcxTransport::with_config(
                 name,
                 UcxConfig {
                     tls: Some("sm,self".into()),
+                    shared_memory,
                     ..UcxConfig::default()
                 },
             )
             .unwrap()
         };
-        if !print("ucx/sm", &run(make("soak-ua"), make("soak-ub"), &c)) {
+        let mapped = run(make("soak-ma", true), make("soak-mb", true), &c);
+        if !print("ucx/sm+mapped", &mapped) {
+            std::process::exit(1);
+        }
+        if !print(
+            "ucx/sm",
+            &run(make("soak-ua", false), make("soak-ub", false), &c),
+        ) {
             std::process::exit(1);
         }
     }

@@ -47,11 +47,14 @@ fn short_soaks() {
             transfers: 4_000,
             ..c
         };
-        let make = |name: &str| {
+        // UCX's own path, and the same-host copies (the soak's buffers are kvxfer shared
+        // memory).
+        let make = |name: &str, shared_memory: bool| {
             UcxTransport::with_config(
                 name,
                 UcxConfig {
                     tls: Some("sm,self".into()),
+                    shared_memory,
                     ..UcxConfig::default()
                 },
             )
@@ -59,7 +62,12 @@ fn short_soaks() {
         };
         check(
             "ucx/sm",
-            &run(make("soak-ua"), make("soak-ub"), &c),
+            &run(make("soak-ua", false), make("soak-ub", false), &c),
+            c.transfers,
+        );
+        check(
+            "ucx/sm+mapped",
+            &run(make("soak-ma", true), make("soak-mb", true), &c),
             c.transfers,
         );
     }

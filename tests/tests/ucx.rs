@@ -58,6 +58,40 @@ mod shm {
             },
         ));
     }
+
+    /// The suite's agents and buffers take the same-host copies, not UCX's path (which
+    /// `shm_cma` runs): a check that quietly failed here would make this a second CMA run.
+    #[test]
+    fn the_suite_runs_over_same_host_copies() {
+        use kvxfer_core::{MemoryKind, Op, Transport, XferStatus};
+        use kvxfer_tests::conformance::{TransportFactory, connect, wait};
+        use kvxfer_tests::memory::Buffer;
+        for mapped in [true, false] {
+            let f = super::Ucx {
+                tls: "sm,self",
+                progress_thread: true,
+                shared_memory: mapped,
+            };
+            assert_eq!(f.label().ends_with("+mapped"), mapped);
+            let (mut src, mut dst) = (Buffer::new(4096, Some(1)), Buffer::new(4096, None));
+            let mut p = connect(&f, &mut [&mut dst], &mut [&mut src]);
+            assert_eq!(p.a.maps_peer(p.b_in_a), mapped);
+            let h = MemoryKind::Host;
+            let x =
+                p.a.post(
+                    Op::Read,
+                    p.b_in_a,
+                    (h, h),
+                    &[dst.range()],
+                    &[src.range()],
+                    None,
+                )
+                .unwrap();
+            assert_eq!(wait(&mut p.a, x), XferStatus::Done);
+            assert_eq!(dst.bytes(), src.bytes());
+            assert_eq!(p.a.shared_memory_transfers(), u64::from(mapped));
+        }
+    }
 }
 
 /// UCX's own shared-memory path (CMA) for the same buffers: the same-host mapping off.

@@ -192,41 +192,63 @@ fn private_memory_and_a_disabled_path_go_through_ucx() {
 }
 
 /// A peer's metadata with its shared section changed by `edit` still loads, but nothing of
-/// it is mapped; transfers go through UCX and stay correct.
+/// it is mapped; transfers go through UCX and stay correct. The peer registers the first
+/// half of its buffer, so an offset moved within the file still decodes.
 fn forged(edit: impl Fn(&mut AgentMeta)) {
     let len = 1u64 << 20;
     let f = Tcp {
         shared_memory: true,
     };
     let (mut a, mut b) = (f.create("forge-a"), f.create("forge-b"));
-    let src = Buffer::new(len as usize, Some(10))
-        .register(&mut b)
-        .unwrap();
+    let src = Buffer::new(len as usize, Some(10));
+    let half = AddrRange::new(src.addr(0), len / 2);
+    let _src_reg = b.register(H, half).unwrap();
     let dst = Buffer::new(len as usize, None).register(&mut a).unwrap();
     let mut meta = AgentMeta::decode(&b.metadata().unwrap()).unwrap();
     assert!(meta.regions[0].shared.is_some());
+    let honest = a.load_peer(&meta.encode()).expect("loads");
+    assert!(a.maps_peer(honest), "the unforged metadata maps");
+    a.remove_peer(honest).unwrap();
     edit(&mut meta);
     let peer = a.load_peer(&meta.encode()).expect("loads");
     assert!(!a.maps_peer(peer), "forged shared memory mapped");
+    // The region as the (forged) metadata has it: inside the peer's buffer either way.
+    let there = meta.regions[0].range;
+    let at = (there.addr - src.addr(0)) as usize;
     let x = a
-        .post(Op::Read, peer, (H, H), &[dst.range()], &[src.range()], None)
+        .post(
+            Op::Read,
+            peer,
+            (H, H),
+            &[AddrRange::new(dst.addr(0), there.len)],
+            &[there],
+            None,
+        )
         .unwrap();
     assert_eq!(wait(&mut a, x), XferStatus::Done);
-    assert_eq!(dst.bytes(), src.bytes());
+    let n = there.len as usize;
+    assert_eq!(dst.bytes()[..n], src.bytes()[at..at + n]);
     assert_eq!(a.shared_memory_transfers(), 0);
 }
 
 #[test]
 fn forged_shared_memory_is_never_mapped() {
-    forged(|m| {
-        let e = m.regions[0].shared.as_mut().unwrap();
-        e.file_len += 4096;
-    });
+    let mut other = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let other_pid = other.id();
+    forged(|m| m.regions[0].shared.as_mut().unwrap().file_len += 4096);
     forged(|m| m.regions[0].shared.as_mut().unwrap().token[3] ^= 1);
     forged(|m| m.regions[0].shared.as_mut().unwrap().fd = 0);
-    forged(|m| m.regions[0].shared.as_mut().unwrap().pid = 1);
+    forged(|m| m.regions[0].shared.as_mut().unwrap().pid = other_pid);
+    // Other bytes of the file than the peer's region: the owner does not map them there.
+    forged(|m| m.regions[0].shared.as_mut().unwrap().offset += 4096);
+    forged(|m| m.regions[0].range.addr += 4096);
     forged(|m| m.host.as_mut().unwrap()[0] ^= 1);
-    // A region claimed larger than its file is refused when decoded.
+    let _ = other.kill();
+    let _ = other.wait();
+    // A region larger than its file is refused when decoded.
     let f = Tcp {
         shared_memory: true,
     };
@@ -236,6 +258,72 @@ fn forged_shared_memory_is_never_mapped() {
     meta.regions[0].range.len += 4096;
     let err = f.create("forge-d").load_peer(&meta.encode()).unwrap_err();
     assert!(err.to_string().contains("inside its file"), "{err}");
+}
+
+/// Copies cannot be cancelled: releasing a transfer, or deregistering memory it writes,
+/// returns only once they are over (the bytes are all there), even past `release_wait`; and
+/// waiting for copies does not close a healthy peer (its next transfer is done).
+#[test]
+fn release_and_deregistration_wait_for_copies_and_keep_the_peer() {
+    let len = 64u64 << 20;
+    let config = UcxConfig {
+        release_wait: Duration::from_millis(1),
+        ..config("sm,self", true)
+    };
+    let mut a = UcxTransport::with_config("wait-a", config.clone()).unwrap();
+    let mut b = UcxTransport::with_config("wait-b", config).unwrap();
+    let src = Buffer::new(len as usize, Some(31))
+        .register(&mut b)
+        .unwrap();
+    let mut dst = Buffer::new(len as usize, None).register(&mut a).unwrap();
+    let peer = a.load_peer(&b.metadata().unwrap()).unwrap();
+    assert!(a.maps_peer(peer));
+    // 4096 pieces in reverse order.
+    let piece = len / 4096;
+    let copies: Vec<Copy> = (0..4096)
+        .map(|i| Copy {
+            src: (4095 - i) * piece,
+            dst: i * piece,
+            len: piece,
+        })
+        .collect();
+    let read = |a: &mut UcxTransport, dst: &Buffer| {
+        a.post(
+            Op::Read,
+            peer,
+            (H, H),
+            &ranges(dst, &copies, false),
+            &ranges(&src, &copies, true),
+            None,
+        )
+        .unwrap()
+    };
+    let x = read(&mut a, &dst);
+    a.release(x).unwrap();
+    verify(&src, &dst, &copies).expect("every byte copied when release returned");
+    dst.bytes_mut().iter_mut().for_each(|b| *b = 0);
+    let x = read(&mut a, &dst);
+    drop(dst.registration.take());
+    assert!(
+        dst.bytes() == &expected(&src, &copies)[..],
+        "every byte copied when deregistration returned"
+    );
+    a.release(x).unwrap();
+    assert!(!a.peer_failed(peer));
+    let dst = dst.register(&mut a).unwrap();
+    let x = read(&mut a, &dst);
+    assert_eq!(wait(&mut a, x), XferStatus::Done, "the peer is still there");
+    assert_eq!(a.shared_memory_transfers(), 3);
+}
+
+/// What `copies` of `src` make of a destination of the same size that held zeros.
+fn expected(src: &Buffer, copies: &[Copy]) -> Vec<u8> {
+    let mut out = vec![0u8; src.len()];
+    for c in copies {
+        let (s, d, n) = (c.src as usize, c.dst as usize, c.len as usize);
+        out[d..d + n].copy_from_slice(&src.bytes()[s..s + n]);
+    }
+    out
 }
 
 /// Another process's cache in shared memory: read through the mapping, every byte right;
@@ -272,12 +360,26 @@ fn a_peer_process_is_mapped_and_its_death_fails_the_copy() {
         );
     }
     assert_eq!(a.shared_memory_transfers(), 1);
-    b.kill();
+    assert!(!a.peer_failed(peer));
+    // A READ in flight when the peer dies, then a READ and a WRITE after: none is done.
     let x = a
         .post(Op::Read, peer, (H, H), &local, &remote, None)
         .unwrap();
+    b.kill();
     match wait(&mut a, x) {
         XferStatus::Failed(why) => assert!(why.contains("exited"), "{why}"),
-        s => panic!("a READ of a dead peer's memory: {s:?}"),
+        XferStatus::Done => println!("the READ finished before the kill landed"),
+        s => panic!("{s:?}"),
     }
+    // Noticed by watching its process, before anything else is posted.
+    assert!(a.peer_failed(peer), "its process is watched");
+    assert!(!a.maps_peer(peer), "a dead peer's memory is let go");
+    for op in [Op::Read, Op::Write] {
+        let x = a.post(op, peer, (H, H), &local, &remote, None).unwrap();
+        match wait(&mut a, x) {
+            XferStatus::Failed(why) => assert!(why.contains("exited"), "{why}"),
+            s => panic!("{op:?} to a dead peer's memory: {s:?}"),
+        }
+    }
+    assert!(a.peer_failed(peer));
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvxfer_core::copy_pool::{self, CopyPair, CopyPool};
-use kvxfer_core::shm::PeerFile;
+use kvxfer_core::shm::{Owner, PeerFile};
 use kvxfer_core::{AddrRange, MemoryKind, Op};
 
 use crate::metadata::AgentMeta;
@@ -20,34 +20,50 @@ const MIN_JOB_BYTES: u64 = 1 << 20;
 /// Most copy workers one agent runs.
 const MAX_WORKERS: usize = 4;
 
-/// A peer's regions mapped here: per region of its metadata, the address of the region's
-/// start in this process, and the mappings (kept alive by every transfer using them).
+/// Most memfds mapped per peer (each is one mapping; an engine allocates a handful).
+const MAX_FILES: usize = 4096;
+
+/// A peer's regions mapped here: per region of its metadata, the address of its start in
+/// this process and in the peer's; the mappings and the peer's process (kept alive by every
+/// transfer using them).
 #[derive(Default)]
 pub struct PeerMaps {
-    pub at: Vec<Option<u64>>,
+    pub at: Vec<Option<(u64, u64)>>,
     pub files: Arc<Vec<PeerFile>>,
+    pub owner: Option<Arc<Owner>>,
 }
 
 impl PeerMaps {
-    /// Maps what a peer shares when it runs on this machine; any check that fails leaves the
-    /// region (or the peer) on UCX's ordinary path.
+    /// Maps what a peer shares when it runs on this machine: one process (the pid of its
+    /// first shared region), each region placed where that process maps its memfd. Any
+    /// check that fails leaves the region (or the peer) on UCX's ordinary path.
     pub fn attach(meta: &AgentMeta) -> PeerMaps {
         let mut maps = PeerMaps {
             at: vec![None; meta.regions.len()],
-            files: Arc::new(Vec::new()),
+            ..PeerMaps::default()
         };
         let here = kvxfer_core::shm::host_id();
+        let Some(pid) = meta.regions.iter().find_map(|r| r.shared.map(|e| e.pid)) else {
+            return maps;
+        };
         if meta.host.is_none() || meta.host != here {
             return maps;
         }
+        let owner = match Owner::open(pid) {
+            Ok(o) => o,
+            Err(why) => {
+                tracing::info!(peer = %meta.name, "not mapping shared memory: {why}");
+                return maps;
+            }
+        };
         let mut files: Vec<PeerFile> = Vec::new();
-        // Exports of one file, in the order its mapping was made.
+        // The token of each mapping, in the order they were made.
         let mut tokens = Vec::new();
         for (i, r) in meta.regions.iter().enumerate() {
             let Some(e) = r.shared else { continue };
             let k = match tokens.iter().position(|t| *t == e.token) {
                 Some(k) => k,
-                None => match PeerFile::attach(&e) {
+                None if files.len() < MAX_FILES => match PeerFile::attach(&owner, &e) {
                     Ok(f) => {
                         files.push(f);
                         tokens.push(e.token);
@@ -58,13 +74,29 @@ impl PeerMaps {
                         continue;
                     }
                 },
+                None => continue,
             };
-            // `decode` checked the region lies in a file of `file_len` bytes and `attach`
-            // that the file has that size; `at` checks again.
-            maps.at[i] = files[k].at(e.offset, r.range.len);
+            maps.at[i] = files[k]
+                .region(&owner, r.range.addr, r.range.len, e.offset)
+                .map(|mapped| (mapped, r.range.addr));
         }
-        maps.files = Arc::new(files);
+        if maps.at.iter().any(Option::is_some) {
+            maps.files = Arc::new(files);
+            maps.owner = Some(Arc::new(owner));
+        } else {
+            maps.at.iter_mut().for_each(|a| *a = None);
+        }
         maps
+    }
+
+    /// Whether any region is mapped.
+    pub fn any(&self) -> bool {
+        self.owner.is_some()
+    }
+
+    /// Whether the peer's process exited (false when nothing is mapped).
+    pub fn owner_exited(&self) -> bool {
+        self.owner.as_ref().is_some_and(|o| !o.alive())
     }
 }
 
@@ -77,17 +109,17 @@ pub fn pairs(
     local: &[AddrRange],
     remote: &[AddrRange],
     keys: &[usize],
-    regions: &[(MemoryKind, AddrRange)],
     maps: &PeerMaps,
 ) -> Option<Vec<CopyPair>> {
-    if kinds != (MemoryKind::Host, MemoryKind::Host) || local.is_empty() {
+    if kinds != (MemoryKind::Host, MemoryKind::Host) || local.is_empty() || !maps.any() {
         return None;
     }
     let mut out = Vec::with_capacity(local.len());
     for ((l, r), &k) in local.iter().zip(remote).zip(keys) {
-        let base = (*maps.at.get(k)?)?;
-        // `check_remote` found `r` inside region `k`, which is mapped in full at `base`.
-        let there = base + (r.addr - regions.get(k)?.1.addr);
+        let (mapped, start) = (*maps.at.get(k)?)?;
+        // `check_remote` found `r` inside region `k`, which starts at `start` in the peer
+        // and is mapped in full at `mapped` here.
+        let there = mapped + (r.addr - start);
         out.push(match op {
             Op::Read => CopyPair {
                 src: there,
@@ -104,13 +136,31 @@ pub fn pairs(
     Some(out)
 }
 
+/// Starts a transfer as copies when every remote range lies in `maps`; `None` leaves it to
+/// UCX (a range outside them, device memory, or copy workers that cannot start).
+pub fn start(
+    copier: &mut Copier,
+    op: Op,
+    kinds: (MemoryKind, MemoryKind),
+    (local, remote): (&[AddrRange], &[AddrRange]),
+    keys: &[usize],
+    maps: &PeerMaps,
+) -> Option<Arc<Copies>> {
+    let pairs = pairs(op, kinds, local, remote, keys, maps)?;
+    copier
+        .start(pairs, maps)
+        .map_err(|e| tracing::warn!("same-host copies unavailable, UCX moves it: {e}"))
+        .ok()
+}
+
 /// The copies of one transfer, shared with the jobs doing them.
 pub struct Copies {
     pairs: Vec<CopyPair>,
     remaining: AtomicUsize,
     error: Mutex<Option<String>>,
     /// The peer's mappings stay while a job may copy through them.
-    files: Arc<Vec<PeerFile>>,
+    _files: Arc<Vec<PeerFile>>,
+    owner: Arc<Owner>,
 }
 
 impl Copies {
@@ -140,9 +190,9 @@ impl Copies {
     fn run(&self, start: usize, end: usize, method: kvxfer_core::host_copy::Method) {
         // SAFETY: local ranges lie in our registrations, which cannot be unmapped while the
         // transfer is busy (deregistration and release wait for `running`); remote ranges lie
-        // in `files`, mapped in full and sealed against shrinking, alive as long as `self`.
+        // in `_files`, mapped in full and sealed against shrinking, alive as long as `self`.
         unsafe { copy_pool::copy_pairs(&self.pairs[start..end], method) };
-        if !self.files.first().is_none_or(PeerFile::owner_alive) {
+        if !self.owner.alive() {
             self.fail("the peer process exited during the transfer");
         }
         // Release: the copies (fenced) are visible before `running` reads false.
@@ -157,26 +207,23 @@ pub struct Copier {
 }
 
 impl Copier {
-    /// Starts copying `pairs` on the workers.
-    pub fn start(
-        &mut self,
-        name: &str,
-        pairs: Vec<CopyPair>,
-        files: Arc<Vec<PeerFile>>,
-    ) -> Result<Arc<Copies>, String> {
+    /// Starts copying `pairs` on the workers (started on first use).
+    pub fn start(&mut self, pairs: Vec<CopyPair>, maps: &PeerMaps) -> Result<Arc<Copies>, String> {
+        let owner = maps.owner.clone().ok_or("nothing mapped")?;
         if self.pool.is_none() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let pool = CopyPool::new(cores.min(MAX_WORKERS), name)
+            let pool = CopyPool::new(cores.min(MAX_WORKERS), "ucx")
                 .map_err(|e| format!("copy workers: {e}"))?;
             self.pool = Some(pool);
         }
-        let pool = self.pool.as_ref().expect("started above");
+        let pool = self.pool.as_ref().ok_or("no copy workers")?;
         let split = copy_pool::split(&pairs, pool.workers(), MIN_JOB_BYTES);
         let copies = Arc::new(Copies {
             pairs,
             remaining: AtomicUsize::new(split.bounds.len()),
             error: Mutex::new(None),
-            files,
+            _files: Arc::clone(&maps.files),
+            owner,
         });
         for (start, end) in split.bounds {
             let c = Arc::clone(&copies);

@@ -466,8 +466,12 @@ impl State {
                 return true;
             }
             if start.elapsed() > limit {
-                // Copies cannot be cancelled, but always end.
+                // Copies cannot be cancelled, but always end; the endpoint is only closed for
+                // UCX requests that did not.
                 x.wait_copies();
+                if x.pending == 0 {
+                    return true;
+                }
                 let peer = x.peer;
                 if let Some(p) = self.peers.remove(&peer) {
                     tracing::warn!(peer = %p.name, "transfer did not finish in time; closing the endpoint");

@@ -135,7 +135,8 @@ impl UcxTransport {
         self.shared.lock().inbox.dropped
     }
 
-    /// Transfers this agent did as host copies through a same-host peer's shared memory.
+    /// Transfers this agent started as host copies through a same-host peer's shared memory
+    /// (failed ones included).
     pub fn shared_memory_transfers(&self) -> u64 {
         self.lock().shared_transfers
     }
@@ -344,24 +345,16 @@ impl UcxTransport {
             .get(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
         let mut x = Xfer::new(peer, Phase::Data, note, regions);
-        let copies = if p.health.error.is_none() && !p.maps.files.is_empty() {
-            let regions: Vec<(MemoryKind, AddrRange)> =
-                p.regions.iter().map(|(k, r, _)| (*k, *r)).collect();
-            same_host::pairs(op, kinds, local, remote, &keys, &regions, &p.maps)
-        } else {
-            None
-        };
+        let mapped_dead = p.maps.owner_exited();
         if let Some(e) = &p.health.error {
             x.error = Some(format!("peer {:?} is unreachable: {e}", p.name));
-        } else if let Some(pairs) = copies {
-            let files = std::sync::Arc::clone(&p.maps.files);
-            match st.copier.start(&st.name, pairs, files) {
-                Ok(c) => {
-                    x.copies = Some(c);
-                    st.shared_transfers += 1;
-                }
-                Err(e) => x.error = Some(e),
-            }
+        } else if mapped_dead {
+            x.error = Some(format!("peer {:?}: its process exited", p.name));
+        } else if let Some(c) =
+            same_host::start(&mut st.copier, op, kinds, (local, remote), &keys, &p.maps)
+        {
+            x.copies = Some(c);
+            st.shared_transfers += 1;
         } else {
             let mut param = x.params();
             // Our registration's handle and memory type: UCX skips its per-request lookups.
@@ -407,8 +400,23 @@ impl UcxTransport {
                 x.account(ptr);
             }
         }
+        if mapped_dead {
+            forget_dead_maps(st, peer);
+        }
         st.xfers.insert(id, x);
         Ok(id)
+    }
+}
+
+/// A mapped peer's process exited: it is failed (UCX's shared-memory transports may never
+/// notice, and a request to it would hang) and its memory unmapped (transfers in flight keep
+/// their own references), so a dead engine's cache is not kept alive here.
+fn forget_dead_maps(st: &mut State, peer: PeerId) {
+    if let Some(p) = st.peers.get_mut(&peer) {
+        p.maps = PeerMaps::default();
+        p.health
+            .error
+            .get_or_insert_with(|| "its process exited".into());
     }
 }
 
@@ -718,11 +726,18 @@ impl Transport for UcxTransport {
 
     fn peer_failed(&self, peer: PeerId) -> bool {
         // The endpoint's error callback records the failure (keep-alive, a broken
-        // connection); on transports without peer-failure handling it never fires.
-        self.lock()
-            .peers
-            .get(&peer)
-            .is_some_and(|p| p.health.error.is_some())
+        // connection); on transports without peer-failure handling it never fires. A peer
+        // whose memory is mapped here is also watched through its process.
+        let mut st = self.lock();
+        let Some(p) = st.peers.get(&peer) else {
+            return false;
+        };
+        let exited = p.maps.owner_exited();
+        let failed = p.health.error.is_some() || exited;
+        if exited {
+            forget_dead_maps(&mut st, peer);
+        }
+        failed
     }
 
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
