@@ -168,3 +168,31 @@ fn a_prefill_gone_from_etcd_fails_the_rooms_waiting_on_it() {
         assert!(why.contains("127.0.0.1:1 missed 2 heartbeats"), "{why}");
     });
 }
+
+/// A rank registered a moment ago is never "nobody registered there", whether or not the
+/// directory's watch has seen it yet (etcd itself is asked before saying so): twenty
+/// registrations, each queried at once (a room added right after its prefill registered
+/// failed now and then when only the watch was asked).
+#[test]
+fn a_registration_is_seen_at_once() {
+    with_etcd("a registration is seen at once", |etcd| {
+        let (dir, pre, _dec) = sides(etcd, 1, "pe3", |_| {});
+        let info = pre.ranks[0].rank_info().clone();
+        for i in 0..20u16 {
+            let addr: Addr = ("127.0.0.1".into(), 2000 + i);
+            let records = push_records(
+                "t",
+                &format!("pe-{i}"),
+                &addr,
+                u64::from(i),
+                &[info.clone()],
+            )
+            .unwrap();
+            let _reg = Registrar::start(client(etcd), Duration::from_secs(2), records).unwrap();
+            match dir.query(&addr, LIMIT) {
+                Ok(FromRegistry::Layout { ranks, .. }) => assert_eq!(ranks.len(), 1),
+                other => panic!("registration {i}: {other:?}"),
+            }
+        }
+    });
+}

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use kvxfer_discovery::etcd::{EtcdClient, EtcdError, Watcher};
 use kvxfer_discovery::key::role_prefix;
-use kvxfer_discovery::{EngineView, PushRank, RankIndex, RankKey, RankRecord, Role, World};
+use kvxfer_discovery::{
+    EngineView, Membership, PushRank, RankIndex, RankKey, RankRecord, Role, World,
+};
 
 use super::directory::{Addr, PrefillDirectory};
 use super::messages::{FromRegistry, RankInfo};
@@ -23,6 +25,8 @@ const POLL: Duration = Duration::from_millis(20);
 pub struct EtcdDirectory {
     watcher: Watcher,
     cluster: String,
+    /// For a read of etcd itself when the watch does not show an address yet.
+    client: Arc<EtcdClient>,
 }
 
 impl std::fmt::Debug for EtcdDirectory {
@@ -36,10 +40,12 @@ impl std::fmt::Debug for EtcdDirectory {
 impl EtcdDirectory {
     /// Watches `cluster`'s prefill engines (a first read of them before returning).
     pub fn start(client: Arc<EtcdClient>, cluster: &str) -> Result<EtcdDirectory, EtcdError> {
-        let (watcher, _changes) = Watcher::start(client, role_prefix(cluster, Role::Prefill))?;
+        let (watcher, _changes) =
+            Watcher::start(Arc::clone(&client), role_prefix(cluster, Role::Prefill))?;
         Ok(EtcdDirectory {
             watcher,
             cluster: cluster.to_owned(),
+            client,
         })
     }
 
@@ -79,29 +85,39 @@ impl PrefillDirectory for EtcdDirectory {
         if let Some(v) = self.whole(&want) {
             return layout(&v);
         }
-        // Not whole yet: how far its registration got (the engine with the most ranks
-        // naming this address). No rank at all is an error, not a wait: nothing registered
-        // there, or the prefill moved (a restarted SGLang prefill's registry has a new port).
-        let partial = self
-            .watcher
-            .registered(Role::Prefill)
-            .into_iter()
-            .filter_map(|(_, ranks)| {
-                let mine: Vec<_> = ranks.iter().filter(|(_, r)| names(r, &want)).collect();
-                let world = mine.first()?.1.world.ranks()?;
-                Some((u32::try_from(mine.len()).unwrap_or(u32::MAX), world))
-            })
-            .max();
-        match partial {
-            Some((registered, expected)) => Ok(FromRegistry::NotReady {
-                registered,
-                expected,
-            }),
-            None => Err(format!(
+        if let Some(answer) = not_ready(self.watcher.registered(Role::Prefill), &want) {
+            return Ok(answer);
+        }
+        // No rank names it in the watch. A registration made a moment ago may not have
+        // reached the watch yet: etcd itself decides (its answer only for this query; the
+        // watch catches up for the next). No rank there either is an error, not a wait:
+        // nothing registered there, or the prefill moved (a restarted SGLang prefill's
+        // registry has a new port).
+        let (_, kvs) = self
+            .client
+            .range_prefix(role_prefix(&self.cluster, Role::Prefill).as_bytes())
+            .map_err(|e| format!("{}: {e}", self.source()))?;
+        let mut fresh = Membership::new();
+        for kv in &kvs {
+            fresh.put(&kv.key, &kv.value);
+        }
+        if let Some(v) = fresh
+            .engines()
+            .find(|v| v.role == Role::Prefill && v.ranks.iter().all(|(_, r)| names(r, &want)))
+        {
+            return layout(v);
+        }
+        let registered = fresh.registered(Role::Prefill).map(|(id, ranks)| {
+            let ranks: Vec<(RankIndex, RankRecord)> =
+                ranks.iter().map(|(k, r)| (*k, r.clone())).collect();
+            (id.to_owned(), ranks)
+        });
+        not_ready(registered.collect(), &want).ok_or_else(|| {
+            format!(
                 "no prefill rank in {} names bootstrap address {want}",
                 self.source()
-            )),
-        }
+            )
+        })
     }
     fn alive(&self, addr: &Addr, _timeout: Duration) -> bool {
         self.whole(&format!("{}:{}", addr.0, addr.1)).is_some()
@@ -109,6 +125,26 @@ impl PrefillDirectory for EtcdDirectory {
     fn source(&self) -> String {
         format!("etcd cluster {:?}", self.cluster)
     }
+}
+
+/// How far the registration of the engine at `addr` got (the engine with the most ranks
+/// naming it), when any of its ranks is registered.
+fn not_ready(
+    engines: Vec<(String, Vec<(RankIndex, RankRecord)>)>,
+    addr: &str,
+) -> Option<FromRegistry> {
+    engines
+        .into_iter()
+        .filter_map(|(_, ranks)| {
+            let mine: Vec<_> = ranks.iter().filter(|(_, r)| names(r, addr)).collect();
+            let world = mine.first()?.1.world.ranks()?;
+            Some((u32::try_from(mine.len()).unwrap_or(u32::MAX), world))
+        })
+        .max()
+        .map(|(registered, expected)| FromRegistry::NotReady {
+            registered,
+            expected,
+        })
 }
 
 /// Whether `r` is a push rank of the engine known by bootstrap address `addr`.
