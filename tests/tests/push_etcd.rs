@@ -185,7 +185,7 @@ fn a_registration_is_seen_at_once() {
                 &format!("pe-{i}"),
                 &addr,
                 u64::from(i),
-                &[info.clone()],
+                std::slice::from_ref(&info),
             )
             .unwrap();
             let _reg = Registrar::start(client(etcd), Duration::from_secs(2), records).unwrap();
