@@ -18,7 +18,13 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
 - The exceptions, all subclasses of :class:`KvxferError`.
 """
 
-from kvxfer._kvxfer import (
+from kvxfer._amx import request_tile_state
+
+# Before the extension can start any thread (see kvxfer._amx): an engine's AMX kernels then
+# keep working in this process.
+request_tile_state()
+
+from kvxfer._kvxfer import (  # noqa: E402
     Agent,
     BackendError,
     DiscoveryError,
