@@ -14,6 +14,16 @@ pub fn split_for(
 ) {
     local.clear();
     remote.clear();
+    append_for(op, descs, local, remote);
+}
+
+/// Like [`split_for`], appending to the lists (one transfer built from several plans).
+pub fn append_for(
+    op: Op,
+    descs: impl IntoIterator<Item = Descriptor>,
+    local: &mut Vec<AddrRange>,
+    remote: &mut Vec<AddrRange>,
+) {
     for d in descs {
         let (src, dst) = (AddrRange::new(d.src, d.len), AddrRange::new(d.dst, d.len));
         let (l, r) = match op {
@@ -41,5 +51,9 @@ mod tests {
         assert_eq!((l[0].addr, r[0].addr), (20, 10));
         split_for(Op::Write, d, &mut l, &mut r);
         assert_eq!((l[0].addr, r[0].addr), (10, 20));
+        append_for(Op::Read, d, &mut l, &mut r);
+        assert_eq!(l.iter().map(|x| x.addr).collect::<Vec<_>>(), [10, 20]);
+        split_for(Op::Read, d, &mut l, &mut r);
+        assert_eq!(l.len(), 1);
     }
 }

@@ -19,6 +19,7 @@ mod coalesce;
 mod compat;
 mod dtype;
 mod error;
+mod groups;
 mod ids;
 mod plan;
 mod pp;
@@ -29,6 +30,7 @@ pub use coalesce::{Descriptor, IndexRun, coalesce, group_contiguous, push_mergin
 pub use compat::{Mismatch, SideLayout, check_compatible};
 pub use dtype::Dtype;
 pub use error::{LayoutError, Result};
+pub use groups::{LayerGroups, MAX_GROUPS};
 pub use ids::{descriptor_ids, descriptor_ids_windowed, layer_regions, windowed_blocks};
 pub use plan::{
     BlockPairs, CacheSide, DEFAULT_MAX_DESCRIPTORS, PlanOptions, TransferPlan, plan_transfer,

@@ -103,7 +103,7 @@ class PullScheduler:
         self,
         req_id: str,
         params_json: str,
-        uncomputed_blocks: list[int],
+        uncomputed_blocks: list[int] | list[list[int]],
         num_external_tokens: int,
     ) -> str: ...
     def build_step_meta(self) -> str: ...
@@ -112,7 +112,7 @@ class PullScheduler:
         req_id: str,
         params_json: str | None,
         length_capped: bool,
-        block_ids: list[int],
+        block_ids: list[int] | list[list[int]],
     ) -> tuple[bool, str | None]: ...
 
 FailedLoad = tuple[str, list[int], str, Literal["fail", "recompute"]]
@@ -151,6 +151,7 @@ class PullWorker:
         enforce_compat: bool = True,
         prepared_lists: bool = True,
         vllm_compat: str | None = None,
+        groups: list[list[int]] | None = None,
     ) -> None: ...
     def listener_port(self) -> int | None: ...
     def instance(self) -> int: ...

@@ -27,3 +27,22 @@ pub fn seconds_or_zero(what: &str, s: f64) -> PyResult<Duration> {
         ))
     })
 }
+
+/// Block ids per KV cache group (`[[..], ..]`), or flat ids (`[..]`: one group).
+#[derive(FromPyObject)]
+pub enum BlockIds {
+    /// One list per group.
+    Groups(Vec<Vec<u32>>),
+    /// One group.
+    Flat(Vec<u32>),
+}
+
+impl BlockIds {
+    /// The ids per group.
+    pub fn into_groups(self) -> Vec<Vec<u32>> {
+        match self {
+            BlockIds::Groups(g) => g,
+            BlockIds::Flat(v) => vec![v],
+        }
+    }
+}

@@ -63,6 +63,7 @@ pub fn build(a: CacheArgs<'_>) -> PyResult<KvCache> {
         total_layers: a.total_layers,
         first_layer: a.first_layer,
         layer_windows: None,
+        groups: None,
     })
 }
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::agent::transport_kind;
-use crate::args::{seconds, seconds_or_zero};
+use crate::args::{BlockIds, seconds, seconds_or_zero};
 use crate::cache::{self, CacheArgs};
 use crate::errors::{self, InvalidArgumentError, LayoutError, ShutDownError, SideChannelError};
 
@@ -85,17 +85,20 @@ impl PullScheduler {
             .map_err(|e| InvalidArgumentError::new_err(e.to_string()))
     }
 
-    /// Records a request after block allocation; returns its updated params JSON.
+    /// Records a request after block allocation (`uncomputed_blocks`: its local blocks
+    /// without a prefix hit, per KV cache group or flat for one); returns its updated params
+    /// JSON.
     fn after_alloc(
         &mut self,
         req_id: &str,
         params_json: &str,
-        uncomputed_blocks: Vec<u32>,
+        uncomputed_blocks: BlockIds,
         num_external_tokens: usize,
     ) -> PyResult<String> {
         let mut p = params(Some(params_json))?.unwrap_or_default();
+        let blocks = uncomputed_blocks.into_groups();
         self.inner
-            .after_alloc(req_id, &mut p, &uncomputed_blocks, num_external_tokens)
+            .after_alloc(req_id, &mut p, &blocks, num_external_tokens)
             .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
         Ok(p.to_json())
     }
@@ -108,18 +111,20 @@ impl PullScheduler {
 
     /// `(delay_free, params_json or None)` for a request finishing: on the prefill side, whether
     /// its blocks wait for a decode and the params to hand it; on the decode side, it stops
-    /// the heartbeats of a request that ended waiting.
+    /// the heartbeats of a request that ended waiting. `block_ids`: per KV cache group, or
+    /// flat for one.
     fn request_finished(
         &mut self,
         req_id: &str,
         params_json: Option<&str>,
         length_capped: bool,
-        block_ids: Vec<u32>,
+        block_ids: BlockIds,
     ) -> PyResult<(bool, Option<String>)> {
         let p = params(params_json)?;
+        let blocks = block_ids.into_groups();
         let d = self
             .inner
-            .request_finished(req_id, p.as_ref(), length_capped, &block_ids);
+            .request_finished(req_id, p.as_ref(), length_capped, &blocks);
         Ok((d.delay_free, d.params.map(|p| p.to_json())))
     }
 }
@@ -159,7 +164,8 @@ impl PullWorker {
         first_layer = 0, memory = "host", side_channel_host = "127.0.0.1",
         side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
         heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
-        failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None
+        failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None,
+        groups = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -194,8 +200,9 @@ impl PullWorker {
         enforce_compat: bool,
         prepared_lists: bool,
         vllm_compat: Option<&str>,
+        groups: Option<Vec<Vec<u32>>>,
     ) -> PyResult<Self> {
-        let cache = cache::build(CacheArgs {
+        let mut cache = cache::build(CacheArgs {
             kind,
             order,
             dtype,
@@ -210,6 +217,10 @@ impl PullWorker {
             first_layer,
             memory,
         })?;
+        cache.groups = groups
+            .map(|g| kvxfer_layout::LayerGroups::new(g, num_layers))
+            .transpose()
+            .map_err(|e| LayoutError::new_err(format!("KV cache groups: {e}")))?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}"

@@ -192,7 +192,8 @@ pub(super) fn run(
                 do_remote_decode: true,
                 ..Default::default()
             };
-            let decision = psched.request_finished(&id, Some(&asks), true, &remote);
+            let decision =
+                psched.request_finished(&id, Some(&asks), true, std::slice::from_ref(&remote));
             let mut params = decision
                 .params
                 .ok_or_else(|| BenchError::Config("prefill did not hold the request".into()))?;
@@ -200,7 +201,12 @@ pub(super) fn run(
                 params.remote_engine_id = Some(id.clone());
             }
             dsched
-                .after_alloc(&id, &mut params, &local, c.tokens_per_request as usize)
+                .after_alloc(
+                    &id,
+                    &mut params,
+                    std::slice::from_ref(&local),
+                    c.tokens_per_request as usize,
+                )
                 .map_err(|e| BenchError::Config(e.to_string()))?;
             jobs.push((id, remote, local));
         }

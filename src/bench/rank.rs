@@ -75,6 +75,7 @@ impl Rank {
             total_layers: model.layers,
             first_layer: self.first_layer,
             layer_windows: None,
+            groups: None,
         }
     }
 }

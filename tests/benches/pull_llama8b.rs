@@ -69,6 +69,7 @@ fn main() {
         total_layers: 32,
         first_layer: 0,
         layer_windows: None,
+        groups: None,
     };
     let clock = Arc::new(SystemClock::default());
     let mut pcfg = PullConfig::new("bench-prefill", 0, 1);
@@ -108,12 +109,17 @@ fn main() {
                 ..Default::default()
             }),
             true,
-            &remote,
+            std::slice::from_ref(&remote),
         );
         prefill.start_load_kv(&psched.build_step_meta());
         let mut params = fin.params.expect("params");
         dsched
-            .after_alloc(&id, &mut params, &local, REQ_BLOCKS * 16)
+            .after_alloc(
+                &id,
+                &mut params,
+                std::slice::from_ref(&local),
+                REQ_BLOCKS * 16,
+            )
             .expect("alloc");
         let meta = dsched.build_step_meta();
         let start = Instant::now();

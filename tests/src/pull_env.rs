@@ -65,6 +65,20 @@ impl Model {
         }
     }
 
+    /// The cache a rank registers for `cache`'s memory: one region each, one group.
+    pub fn kv_cache(&self, cache: &RankCache) -> KvCache {
+        KvCache {
+            spec: cache.spec,
+            bases: cache.bases(),
+            memory: MemoryKind::Host,
+            total_kv_heads: self.heads,
+            total_layers: self.layers,
+            first_layer: 0,
+            layer_windows: None,
+            groups: None,
+        }
+    }
+
     /// How heads shard across TP.
     pub fn sharding(&self) -> HeadSharding {
         if self.kind == CacheKind::Mla {
@@ -297,7 +311,33 @@ pub fn engine<T: Transport>(
             0
         }
     });
-    build(name, model, tp, prefill, bases, clock, make, tune)
+    let kv = |c: &RankCache| model.kv_cache(c);
+    build(name, model, tp, prefill, bases, clock, make, tune, &kv)
+        .unwrap_or_else(|| panic!("no free port range for {name}"))
+}
+
+/// Like [`engine`] for one rank, with the [`KvCache`] each rank registers made by `kv` from
+/// its memory (KV cache groups, aliased regions).
+pub fn engine_with<T: Transport>(
+    name: &str,
+    model: &Model,
+    prefill: bool,
+    make: &dyn Fn(&str) -> T,
+    kv: &dyn Fn(&RankCache) -> KvCache,
+) -> Engine<T> {
+    let mut seed = name
+        .bytes()
+        .fold(11u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    let bases = (0..50).map(|_| {
+        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+        if prefill {
+            20_000 + (seed % 12_000) as u16
+        } else {
+            0
+        }
+    });
+    let clock: Arc<dyn Clock> = Arc::new(kvxfer_core::clock::SystemClock::default());
+    build(name, model, 1, prefill, bases, clock, make, &|_| {}, kv)
         .unwrap_or_else(|| panic!("no free port range for {name}"))
 }
 
@@ -315,7 +355,19 @@ pub fn prefill_at<T: Transport>(
     // The ended engine's sockets close in the background: its port may stay taken a moment.
     for _ in 0..250 {
         let bases = std::iter::once(base_port);
-        if let Some(e) = build(name, model, tp, true, bases, Arc::clone(&clock), make, tune) {
+        let kv = |c: &RankCache| model.kv_cache(c);
+        let built = build(
+            name,
+            model,
+            tp,
+            true,
+            bases,
+            Arc::clone(&clock),
+            make,
+            tune,
+            &kv,
+        );
+        if let Some(e) = built {
             return Some(e);
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -334,6 +386,7 @@ fn build<T: Transport>(
     clock: Arc<dyn Clock>,
     make: &dyn Fn(&str) -> T,
     tune: &dyn Fn(&mut PullConfig),
+    kv: &dyn Fn(&RankCache) -> KvCache,
 ) -> Option<Engine<T>> {
     let mapping = TpMapping::new(tp, tp, model.sharding()).expect("tp valid for model");
     for base in bases {
@@ -350,16 +403,12 @@ fn build<T: Transport>(
             config.side_channel_port = base;
             config.handshake_timeout = Duration::from_secs(5);
             tune(&mut config);
-            let kv = KvCache {
-                spec: cache.spec,
-                bases: cache.bases(),
-                memory: MemoryKind::Host,
-                total_kv_heads: model.heads,
-                total_layers: model.layers,
-                first_layer: 0,
-                layer_windows: None,
-            };
-            match PullWorker::new(make(&format!("{name}-{r}")), config, kv, Arc::clone(&clock)) {
+            match PullWorker::new(
+                make(&format!("{name}-{r}")),
+                config,
+                kv(cache),
+                Arc::clone(&clock),
+            ) {
                 Ok(w) => workers.push(w),
                 Err(kvxfer_core::pull::PullError::SideChannel(e)) if prefill => {
                     let _ = e;
@@ -389,9 +438,12 @@ impl<T: Transport> Engine<T> {
             do_remote_decode: true,
             ..Default::default()
         };
-        let d = self
-            .scheduler
-            .request_finished(req_id, Some(&p), true, blocks);
+        let d = self.scheduler.request_finished(
+            req_id,
+            Some(&p),
+            true,
+            std::slice::from_ref(&blocks.to_vec()),
+        );
         assert!(d.delay_free);
         let meta = self.scheduler.build_step_meta();
         for w in &mut self.workers {
@@ -410,7 +462,7 @@ impl<T: Transport> Engine<T> {
     ) -> StepMeta {
         let mut p = params.clone();
         self.scheduler
-            .after_alloc(req_id, &mut p, local, external_tokens)
+            .after_alloc(req_id, &mut p, &[local.to_vec()], external_tokens)
             .expect("after alloc");
         let meta = self.scheduler.build_step_meta();
         for w in &mut self.workers {

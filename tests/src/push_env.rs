@@ -105,6 +105,7 @@ fn buffers(model: &Model, mem: &mut RankMem, state_kind: StateKind) -> PushBuffe
             total_layers: model.layers,
             first_layer: mem.kv.first_layer,
             layer_windows: None,
+            groups: None,
         },
         aux: mem.aux.wire(),
         state: mem.state.wire(),

@@ -161,7 +161,7 @@ proptest! {
             1 => KvTransferParams {
                 do_remote_decode: true,
                 remote_engine_id: Some("e".into()),
-                remote_block_ids: Some(vec![1, 2, 3]),
+                remote_block_ids: Some(vec![vec![1, 2, 3]]),
                 remote_host: Some("10.0.0.1".into()),
                 remote_port: Some(5600),
                 ..Default::default()

@@ -126,7 +126,7 @@ fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
     assert_eq!(dec.workers[0].take_metrics().refused_loads, 3);
     // Reported, the id may be loaded again.
     let mut again = meta.clone();
-    again.recv[0].local_block_ids = vec![3];
+    again.recv[0].local_block_ids = vec![vec![3]];
     assert!(dec.workers[0].start_load_kv(&again).is_empty());
 }
 
@@ -731,6 +731,7 @@ fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
             total_layers: model.layers,
             first_layer: 0,
             layer_windows: None,
+            groups: None,
         };
         let w = PullWorker::new(lb("spans-D"), config, kv, clock()).expect("worker");
         let (.., regions) = w.transport().resource_counts();
@@ -863,7 +864,7 @@ fn an_engine_id_with_a_nul_fails_the_load_without_a_panic() {
 fn pull_block_1(engine_id: &str, port: u16) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        remote_block_ids: Some(vec![1]),
+        remote_block_ids: Some(vec![vec![1]]),
         remote_engine_id: Some(engine_id.into()),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(port),

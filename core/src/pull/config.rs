@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kvxfer_layout::{CacheKind, CacheSpec, HeadSharding};
+use kvxfer_layout::{CacheKind, CacheSpec, HeadSharding, LayerGroups};
 
 use crate::transport::MemoryKind;
 use crate::wire::handshake::MAX_HANDSHAKE_BYTES;
@@ -51,6 +51,40 @@ pub struct KvCache {
     pub first_layer: u32,
     /// Optional attention window (in blocks) per global layer.
     pub layer_windows: Option<Vec<Option<u32>>>,
+    /// The KV cache groups of a hybrid model (layers of each attention kind, with a block
+    /// table each; a layer of each group may share its region with one of another group, as
+    /// vLLM lays them out). `None`: one group of every layer.
+    pub groups: Option<LayerGroups>,
+}
+
+impl KvCache {
+    /// Number of KV cache groups (1 without `groups`).
+    pub fn group_count(&self) -> usize {
+        self.groups.as_ref().map_or(1, LayerGroups::len)
+    }
+
+    /// Checks the regions against the spec: disjoint, or aliased across KV cache groups
+    /// only; groups need the whole model in one stage and no per-layer windows.
+    pub fn check(&self) -> Result<(), kvxfer_layout::LayoutError> {
+        use kvxfer_layout::{CacheSide, LayoutError};
+        match &self.groups {
+            None => CacheSide::new(&self.spec, &self.bases, self.first_layer).map(|_| ()),
+            Some(g) => {
+                if self.first_layer != 0 || self.total_layers != self.spec.num_layers() {
+                    return Err(LayoutError::Unsupported(
+                        "KV cache groups with pipeline stages (a hybrid model split across stages)"
+                            .into(),
+                    ));
+                }
+                if self.layer_windows.is_some() {
+                    return Err(LayoutError::Unsupported(
+                        "KV cache groups with per-layer windows (a sliding-window group holds only its window's blocks)".into(),
+                    ));
+                }
+                g.check_regions(&self.spec, &self.bases)
+            }
+        }
+    }
 }
 
 impl KvCache {
@@ -157,6 +191,7 @@ mod tests {
             total_layers: 2,
             first_layer: 0,
             layer_windows: None,
+            groups: None,
         }
     }
 

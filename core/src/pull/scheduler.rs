@@ -9,24 +9,25 @@ use crate::wire::WireError;
 use crate::wire::handshake::PROTOCOL_VERSION;
 use crate::wire::params::{KvTransferParams, PeerProtocol};
 
-/// A load the workers must start: read `remote.block_ids` (their tail) into `local_block_ids`.
-/// An empty `local_block_ids` (full local prefix hit) only notifies the prefill.
+/// A load the workers must start: per KV cache group, read the tail of
+/// `remote_block_ids[g]` into `local_block_ids[g]`. No local block in any group (full local
+/// prefix hit) only notifies the prefill.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvRequest {
     /// Request id (this engine's).
     pub req_id: String,
     /// The request's id on the prefill engine, named in read-done notes and heartbeats.
     pub remote_req_id: String,
-    /// Local blocks to fill.
-    pub local_block_ids: Vec<u32>,
+    /// Local blocks to fill, per KV cache group.
+    pub local_block_ids: Vec<Vec<u32>>,
     /// Prefill engine to read from.
     pub engine_id: String,
     /// Its side-channel host.
     pub host: String,
     /// Its side-channel base port.
     pub port: u16,
-    /// Its blocks holding the request.
-    pub remote_block_ids: Vec<u32>,
+    /// Its blocks holding the request, per KV cache group.
+    pub remote_block_ids: Vec<Vec<u32>>,
     /// The handshake the prefill speaks.
     #[serde(default)]
     pub protocol: PeerProtocol,
@@ -36,6 +37,59 @@ pub struct RecvRequest {
     /// When the prefill frees the blocks, in its clock's seconds (stock vLLM prefills).
     #[serde(default)]
     pub remote_expiry: Option<serde_json::Number>,
+}
+
+/// One KV cache group's blocks of a load: the prefill's read, the local ones filled.
+pub type GroupPairs<'a> = (&'a [u32], &'a [u32]);
+
+impl RecvRequest {
+    /// Per KV cache group of a cache with `groups` groups, the prefill blocks read and the
+    /// local blocks they fill: each group's local blocks take the tail of its prefill
+    /// blocks (the decode's are the suffix its prefix cache lacks). Empty when no group has a
+    /// local block (a full local prefix hit: the prefill is only notified). Group counts that
+    /// differ from the cache's, or more local blocks than the prefill holds, are an error.
+    pub fn pairs(&self, groups: usize) -> Result<Vec<GroupPairs<'_>>, String> {
+        if self.local_block_ids.iter().all(Vec::is_empty) {
+            return Ok(Vec::new());
+        }
+        for (what, n) in [
+            ("local blocks", self.local_block_ids.len()),
+            ("the prefill's blocks", self.remote_block_ids.len()),
+        ] {
+            if n != groups {
+                return Err(format!(
+                    "{what} name {n} KV cache groups, this cache has {groups}"
+                ));
+            }
+        }
+        let mut out = Vec::with_capacity(groups);
+        for (g, (remote, local)) in self
+            .remote_block_ids
+            .iter()
+            .zip(&self.local_block_ids)
+            .enumerate()
+        {
+            let Some(start) = remote.len().checked_sub(local.len()) else {
+                let group = if groups > 1 {
+                    format!("KV cache group {g}: ")
+                } else {
+                    String::new()
+                };
+                return Err(format!(
+                    "{group}{} local blocks but the prefill holds only {}",
+                    local.len(),
+                    remote.len()
+                ));
+            };
+            out.push((&remote[start..], local.as_slice()));
+        }
+        Ok(out)
+    }
+
+    /// Every local block of the load, all groups together.
+    pub fn all_local_blocks(&self) -> Vec<u32> {
+        self.local_block_ids.iter().flatten().copied().collect()
+    }
 }
 
 /// What the workers do in one step. Serializable: an engine whose scheduler and workers
@@ -135,13 +189,13 @@ impl PullScheduler {
     }
 
     /// Records a request after block allocation. `uncomputed_blocks` are its local blocks
-    /// without a local prefix hit; with `num_external_tokens == 0` (full prefix hit) the
-    /// prefill is only notified. Triggers at most one transfer per request.
+    /// without a local prefix hit, per KV cache group; with `num_external_tokens == 0` (full
+    /// prefix hit) the prefill is only notified. Triggers at most one transfer per request.
     pub fn after_alloc(
         &mut self,
         req_id: &str,
         params: &mut KvTransferParams,
-        uncomputed_blocks: &[u32],
+        uncomputed_blocks: &[Vec<u32>],
         num_external_tokens: usize,
     ) -> Result<(), WireError> {
         if !params.do_remote_prefill || self.triggered.contains(req_id) {
@@ -171,12 +225,13 @@ impl PullScheduler {
     /// Decides, when a request finishes on the prefill side, whether its blocks are held
     /// for a remote decode and what parameters the decode needs. Only requests asking for
     /// remote decode that stopped because of the length cap (prefill-only) qualify.
+    /// `block_ids` are the request's blocks per KV cache group.
     pub fn request_finished(
         &mut self,
         req_id: &str,
         params: Option<&KvTransferParams>,
         length_capped: bool,
-        block_ids: &[u32],
+        block_ids: &[Vec<u32>],
     ) -> FinishDecision {
         self.triggered.remove(req_id);
         if self.waiting.remove(req_id) {
@@ -189,7 +244,7 @@ impl PullScheduler {
                 params: None,
             };
         }
-        let delay_free = !block_ids.is_empty();
+        let delay_free = block_ids.iter().any(|g| !g.is_empty());
         if delay_free {
             self.pending.hold.push(req_id.into());
         }
@@ -219,7 +274,7 @@ fn recv_request(
     req_id: &str,
     params: &KvTransferParams,
     src: crate::wire::params::RemoteSource<'_>,
-    local: Vec<u32>,
+    local: Vec<Vec<u32>>,
 ) -> RecvRequest {
     RecvRequest {
         req_id: req_id.into(),
@@ -278,7 +333,7 @@ mod tests {
     fn remote(blocks: &[u32]) -> KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
-            remote_block_ids: Some(blocks.to_vec()),
+            remote_block_ids: Some(vec![blocks.to_vec()]),
             remote_engine_id: Some("P".into()),
             remote_host: Some("127.0.0.1".into()),
             remote_port: Some(5600),
@@ -292,13 +347,13 @@ mod tests {
         let mut p = remote(&[7, 8, 9]);
         // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
         assert_eq!(s.tokens_to_load("r1", Some(&p), 40, 0), Ok((40, true)));
-        s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40).unwrap();
         let meta = s.build_step_meta();
         assert_eq!(meta.recv.len(), 1);
-        assert_eq!(meta.recv[0].local_block_ids, vec![1, 2, 3]);
-        assert_eq!(meta.recv[0].remote_block_ids, vec![7, 8, 9]);
+        assert_eq!(meta.recv[0].local_block_ids, vec![vec![1, 2, 3]]);
+        assert_eq!(meta.recv[0].remote_block_ids, vec![vec![7, 8, 9]]);
         // Only one transfer per request, and the meta was taken.
-        s.after_alloc("r1", &mut p, &[1, 2, 3], 40).unwrap();
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40).unwrap();
         assert!(s.build_step_meta().recv.is_empty());
         assert!(!p.do_remote_prefill);
     }
@@ -350,16 +405,17 @@ mod tests {
         assert_eq!((wait.engine_id.as_str(), wait.port), ("P", 5600));
         assert!(wait.remote_block_ids.is_empty() && wait.local_block_ids.is_empty());
         // Loading ends the wait without an unwait; asking again after that is no new wait.
-        s.after_alloc("r", &mut p.clone(), &[1, 2], 20).unwrap();
+        s.after_alloc("r", &mut p.clone(), &[vec![1, 2]], 20)
+            .unwrap();
         s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
         let meta = s.build_step_meta();
         assert_eq!((meta.recv.len(), meta.wait.len()), (1, 0));
-        s.request_finished("r", Some(&p), false, &[1, 2]);
+        s.request_finished("r", Some(&p), false, &[vec![1, 2]]);
         assert!(s.build_step_meta().unwait.is_empty());
         // Ending while waiting stops the heartbeats, once.
         s.tokens_to_load("q", Some(&p), 20, 0).unwrap();
-        s.request_finished("q", Some(&p), false, &[]);
-        s.request_finished("q", Some(&p), false, &[]);
+        s.request_finished("q", Some(&p), false, &[vec![]]);
+        s.request_finished("q", Some(&p), false, &[vec![]]);
         let meta = s.build_step_meta();
         assert_eq!((meta.wait.len(), meta.unwait), (1, vec!["q".to_string()]));
     }
@@ -386,7 +442,7 @@ mod tests {
         let mut p = remote(&[7]);
         p.do_remote_prefill = false;
         assert_eq!(s.tokens_to_load("r", Some(&p), 40, 0), Ok((0, false)));
-        s.after_alloc("r", &mut p, &[1], 16).unwrap();
+        s.after_alloc("r", &mut p, &[vec![1]], 16).unwrap();
         assert_eq!(s.build_step_meta(), StepMeta::default());
     }
 
@@ -395,8 +451,10 @@ mod tests {
     #[test]
     fn a_request_triggers_once_whatever_params_it_brings() {
         let mut s = PullScheduler::new("D", "h", 1);
-        s.after_alloc("r", &mut remote(&[7]), &[1], 16).unwrap();
-        s.after_alloc("r", &mut remote(&[7]), &[1], 16).unwrap();
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16)
+            .unwrap();
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16)
+            .unwrap();
         assert_eq!(s.build_step_meta().recv.len(), 1);
     }
 
@@ -405,17 +463,17 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
         // A full hit loads nothing, whatever blocks the engine passes.
-        s.after_alloc("full", &mut p, &[4], 0).unwrap();
+        s.after_alloc("full", &mut p, &[vec![4]], 0).unwrap();
         let mut q = remote(&[7, 8, 9]);
-        s.after_alloc("partial", &mut q, &[5], 16).unwrap();
+        s.after_alloc("partial", &mut q, &[vec![5]], 16).unwrap();
         let meta = s.build_step_meta();
         assert!(meta.recv[0].local_block_ids.is_empty());
-        assert_eq!(meta.recv[1].local_block_ids, vec![5]);
+        assert_eq!(meta.recv[1].local_block_ids, vec![vec![5]]);
         let mut bad = KvTransferParams {
             do_remote_prefill: true,
             ..Default::default()
         };
-        assert!(s.after_alloc("bad", &mut bad, &[1], 16).is_err());
+        assert!(s.after_alloc("bad", &mut bad, &[vec![1]], 16).is_err());
     }
 
     #[test]
@@ -425,15 +483,99 @@ mod tests {
             do_remote_decode: true,
             ..Default::default()
         };
-        let d = s.request_finished("r", Some(&p), true, &[4, 5]);
+        let d = s.request_finished("r", Some(&p), true, &[vec![4, 5]]);
         assert!(d.delay_free);
         let out = d.params.unwrap();
-        assert_eq!(out.remote_block_ids, Some(vec![4, 5]));
+        assert_eq!(out.remote_block_ids, Some(vec![vec![4, 5]]));
         assert_eq!(out.remote_engine_id.as_deref(), Some("P"));
         assert_eq!(s.build_step_meta().hold, vec!["r".to_string()]);
         // Not length capped (aborted) or not remote: free immediately.
-        assert!(!s.request_finished("r2", Some(&p), false, &[1]).delay_free);
-        assert!(!s.request_finished("r3", None, true, &[1]).delay_free);
-        assert!(!s.request_finished("r4", Some(&p), true, &[]).delay_free);
+        assert!(
+            !s.request_finished("r2", Some(&p), false, &[vec![1]])
+                .delay_free
+        );
+        assert!(!s.request_finished("r3", None, true, &[vec![1]]).delay_free);
+        assert!(
+            !s.request_finished("r4", Some(&p), true, &[vec![], vec![]])
+                .delay_free
+        );
+    }
+
+    /// A hybrid model's params carry each KV cache group's blocks; the prefill holds them
+    /// while any group has one.
+    #[test]
+    fn every_kv_cache_group_is_handed_off_and_loaded() {
+        let mut s = PullScheduler::new("P", "h", 5600);
+        let p = KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        };
+        let d = s.request_finished("r", Some(&p), true, &[vec![], vec![9]]);
+        assert!(d.delay_free);
+        let mut out = d.params.unwrap();
+        assert_eq!(out.remote_block_ids, Some(vec![vec![], vec![9]]));
+        let mut dec = PullScheduler::new("D", "h", 1);
+        dec.after_alloc("r", &mut out, &[vec![3], vec![4]], 40)
+            .unwrap();
+        let recv = dec.build_step_meta().recv;
+        assert_eq!(recv[0].local_block_ids, vec![vec![3], vec![4]]);
+        assert_eq!(recv[0].remote_block_ids, vec![vec![], vec![9]]);
+    }
+
+    fn load(remote: Vec<Vec<u32>>, local: Vec<Vec<u32>>) -> RecvRequest {
+        RecvRequest {
+            req_id: "r".into(),
+            remote_req_id: "r".into(),
+            local_block_ids: local,
+            engine_id: "P".into(),
+            host: "h".into(),
+            port: 1,
+            remote_block_ids: remote,
+            protocol: PeerProtocol::Kvxfer,
+            remote_tp_size: None,
+            remote_expiry: None,
+        }
+    }
+
+    /// Each group's local blocks take the tail of that group's prefill blocks; counts that
+    /// cannot be right are refused, naming the group.
+    #[test]
+    fn pairs_take_each_groups_tail() {
+        let r = load(vec![vec![1, 2, 3], vec![7, 8]], vec![vec![4, 5], vec![6]]);
+        let pairs = r.pairs(2).unwrap();
+        assert_eq!(
+            pairs,
+            vec![(&[2u32, 3][..], &[4u32, 5][..]), (&[8][..], &[6][..])]
+        );
+        assert_eq!(r.all_local_blocks(), vec![4, 5, 6]);
+        // A full local prefix hit reads nothing, whatever the groups.
+        assert!(load(vec![vec![1]], vec![]).pairs(2).unwrap().is_empty());
+        assert!(
+            load(vec![vec![1]], vec![vec![], vec![]])
+                .pairs(2)
+                .unwrap()
+                .is_empty()
+        );
+        // Group counts differ from the cache's.
+        assert!(r.pairs(1).unwrap_err().contains("2 KV cache groups"));
+        let short = load(vec![vec![1]], vec![vec![4], vec![5]]);
+        assert!(
+            short
+                .pairs(2)
+                .unwrap_err()
+                .contains("the prefill's blocks name 1")
+        );
+        // More local blocks than the prefill holds: a sliding-window group whose prefill
+        // freed a block the decode's window needs.
+        let freed = load(vec![vec![1, 2], vec![8]], vec![vec![4], vec![5, 6]]);
+        assert_eq!(
+            freed.pairs(2).unwrap_err(),
+            "KV cache group 1: 2 local blocks but the prefill holds only 1"
+        );
+        let one = load(vec![vec![1]], vec![vec![4, 5]]);
+        assert_eq!(
+            one.pairs(1).unwrap_err(),
+            "2 local blocks but the prefill holds only 1"
+        );
     }
 }

@@ -96,6 +96,7 @@ mod tests {
                 total_layers: 2,
                 first_layer: 0,
                 layer_windows: None,
+                groups: None,
             },
             aux,
             state,

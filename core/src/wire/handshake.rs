@@ -89,6 +89,10 @@ pub struct LayoutWire {
     pub total_layers: u32,
     /// Global index of this rank's first layer (pipeline stage).
     pub first_layer: u32,
+    /// The layers of each KV cache group of a hybrid model (indices into this rank's
+    /// layers); absent for one group, so single-group handshakes are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<Vec<Vec<u32>>>,
 }
 
 impl LayoutWire {
@@ -111,6 +115,7 @@ impl LayoutWire {
             total_kv_heads,
             total_layers,
             first_layer,
+            groups: None,
         }
     }
 
@@ -279,6 +284,23 @@ mod tests {
         let ours = HandshakeMeta::decode(&theirs, MAX_HANDSHAKE_BYTES).unwrap();
         assert_eq!(ours.kvxfer_layout, None);
         assert_eq!(ours.kv_caches_base_addr, m.kv_caches_base_addr);
+    }
+
+    /// One KV cache group sends no `groups` key, so single-group handshakes are byte for
+    /// byte what peers of the previous version send; a hybrid cache's groups round-trip.
+    #[test]
+    fn groups_are_sent_only_for_hybrid_caches() {
+        let plain = sample().encode();
+        assert!(!plain.windows(6).any(|w| w == b"groups"));
+        let mut m = sample();
+        if let Some(l) = m.kvxfer_layout.as_mut() {
+            l.groups = Some(vec![vec![0], vec![1]]);
+        }
+        let back = HandshakeMeta::decode(&m.encode(), MAX_HANDSHAKE_BYTES).unwrap();
+        assert_eq!(
+            back.kvxfer_layout.unwrap().groups,
+            Some(vec![vec![0], vec![1]])
+        );
     }
 
     #[test]

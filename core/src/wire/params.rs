@@ -1,7 +1,7 @@
 //! Transfer parameters handed from the prefill side to the decode side through the P/D
-//! proxy, with vLLM's JSON keys. Block ids are read flat (vLLM 0.9.1) or per KV cache group
-//! (vLLM 0.32: `[[..]]`, one group) and written per group, so a stock vLLM 0.32 decode reads
-//! what a kvxfer prefill hands out. `kvxfer_protocol` tells a kvxfer decode that the
+//! proxy, with vLLM's JSON keys. Block ids are read flat (vLLM 0.9.1: one group) or per KV
+//! cache group (vLLM 0.32: `[[..], ..]`, one list per group of a hybrid model) and written
+//! per group, so a stock vLLM 0.32 decode reads what a kvxfer prefill hands out. `kvxfer_protocol` tells a kvxfer decode that the
 //! prefill is kvxfer; params with vLLM 0.32's `transfer_mode` and without it come from a
 //! stock vLLM NixlConnector.
 
@@ -23,14 +23,14 @@ pub struct KvTransferParams {
     /// Prefill side: a remote decode will pull this request's KV cache.
     #[serde(default)]
     pub do_remote_decode: bool,
-    /// The prefill's block ids holding the request (full blocks only).
+    /// The prefill's block ids holding the request, per KV cache group.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "block_ids::read",
         serialize_with = "block_ids::write"
     )]
-    pub remote_block_ids: Option<Vec<u32>>,
+    pub remote_block_ids: Option<Vec<Vec<u32>>>,
     /// The prefill engine's id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
@@ -87,32 +87,27 @@ mod block_ids {
         Groups(Vec<Vec<u32>>),
     }
 
-    /// Flat ids, or one group of ids (more groups, as hybrid models hand out, are refused:
-    /// kvxfer moves one KV cache group).
-    pub fn read<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>, D::Error> {
+    /// Flat ids (one group), or ids per KV cache group (at most
+    /// [`kvxfer_layout::MAX_GROUPS`] groups).
+    pub fn read<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Vec<u32>>>, D::Error> {
         match Option::<Ids>::deserialize(d)? {
             None => Ok(None),
-            Some(Ids::Flat(v)) => Ok(Some(v)),
-            Some(Ids::Groups(mut g)) => {
-                if g.iter().skip(1).any(|x| !x.is_empty()) {
-                    return Err(serde::de::Error::custom(format!(
-                        "{} KV cache groups of block ids; kvxfer moves one",
-                        g.len()
-                    )));
-                }
-                Ok(Some(if g.is_empty() {
-                    Vec::new()
-                } else {
-                    g.swap_remove(0)
-                }))
+            Some(Ids::Flat(v)) => Ok(Some(vec![v])),
+            Some(Ids::Groups(g)) if g.len() > kvxfer_layout::MAX_GROUPS => {
+                Err(serde::de::Error::custom(format!(
+                    "{} KV cache groups of block ids: at most {} are accepted",
+                    g.len(),
+                    kvxfer_layout::MAX_GROUPS
+                )))
             }
+            Some(Ids::Groups(g)) => Ok(Some(g)),
         }
     }
 
-    /// One group, as vLLM 0.32 writes them.
-    pub fn write<S: Serializer>(v: &Option<Vec<u32>>, s: S) -> Result<S::Ok, S::Error> {
+    /// Per group, as vLLM 0.32 writes them.
+    pub fn write<S: Serializer>(v: &Option<Vec<Vec<u32>>>, s: S) -> Result<S::Ok, S::Error> {
         match v {
-            Some(ids) => s.collect_seq([ids]),
+            Some(ids) => s.collect_seq(ids),
             None => s.serialize_none(),
         }
     }
@@ -177,8 +172,8 @@ impl KvTransferParams {
 /// The remote prefill a decode request pulls from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteSource<'a> {
-    /// Prefill block ids.
-    pub block_ids: &'a [u32],
+    /// Prefill block ids, per KV cache group.
+    pub block_ids: &'a [Vec<u32>],
     /// Prefill engine id.
     pub engine_id: &'a str,
     /// Side-channel host.
@@ -201,7 +196,7 @@ mod tests {
         let src = p.remote_source().unwrap();
         assert_eq!(
             (src.block_ids, src.engine_id, src.port),
-            (&[1u32, 2, 3][..], "prefill-0", 5600)
+            (&[vec![1u32, 2, 3]][..], "prefill-0", 5600)
         );
         let again = KvTransferParams::from_json(p.to_json().as_bytes()).unwrap();
         assert_eq!(again, p);
@@ -216,6 +211,20 @@ mod tests {
         ] {
             assert!(text.contains(&format!("\"{key}\"")), "{text}");
         }
+    }
+
+    /// A hybrid model's params carry one list per KV cache group, read and written as such;
+    /// flat ids (vLLM 0.9.1) are one group.
+    #[test]
+    fn block_ids_travel_per_kv_cache_group() {
+        let p = KvTransferParams::from_json(br#"{"remote_block_ids": [[1, 2], [], [7]]}"#).unwrap();
+        assert_eq!(p.remote_block_ids, Some(vec![vec![1, 2], vec![], vec![7]]));
+        assert!(p.to_json().contains(r#""remote_block_ids":[[1,2],[],[7]]"#));
+        let flat = KvTransferParams::from_json(br#"{"remote_block_ids": [4, 5]}"#).unwrap();
+        assert_eq!(flat.remote_block_ids, Some(vec![vec![4, 5]]));
+        assert!(flat.to_json().contains(r#""remote_block_ids":[[4,5]]"#));
+        let too_many = format!(r#"{{"remote_block_ids": {:?}}}"#, vec![vec![1u32]; 65]);
+        assert!(KvTransferParams::from_json(too_many.as_bytes()).is_err());
     }
 
     #[test]

@@ -315,7 +315,7 @@ fn ghost_params(blocks: &[u32]) -> kvxfer_core::wire::params::KvTransferParams {
         .port();
     kvxfer_core::wire::params::KvTransferParams {
         do_remote_prefill: true,
-        remote_block_ids: Some(blocks.to_vec()),
+        remote_block_ids: Some(vec![blocks.to_vec()]),
         remote_engine_id: Some("ghost".into()),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(port),
@@ -373,7 +373,7 @@ pub fn loads_never_block_on_a_slow_handshake<F: TransportFactory>(f: &F) {
     let mut dec = engine("slow-D", &model, 1, false, clock(), &mk(f), &no_tune);
     let params = kvxfer_core::wire::params::KvTransferParams {
         do_remote_prefill: true,
-        remote_block_ids: Some(vec![1]),
+        remote_block_ids: Some(vec![vec![1]]),
         remote_engine_id: Some("slow".into()),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(port),
@@ -505,6 +505,7 @@ pub fn per_layer_windows_move_only_the_last_blocks<F: TransportFactory>(f: &F) {
         total_layers: 2,
         first_layer: 0,
         layer_windows: Some(vec![Some(1), None]),
+        groups: None,
     };
     let mut cfg = PullConfig::new("win-D", 0, 1);
     cfg.side_channel_port = 0;
@@ -580,4 +581,110 @@ pub fn fragmented_requests_post_by_index<F: TransportFactory>(f: &F) {
                 .unwrap_or_else(|e| panic!("{name} rank {r}: {e}"));
         }
     }
+}
+
+/// A hybrid model's cache: layer 0 in KV cache group 0 (full attention), layer 1 in group 1
+/// (sliding window), each with its own block ids. On the decode the two layers share their
+/// regions, as vLLM overlays them; the prefill's are apart. Each group's blocks move through
+/// its own layers only, in one READ per link; a decode whose groups differ from the
+/// prefill's is refused naming them.
+pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let groups = || kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).unwrap();
+    let grouped = |c: &crate::pull_env::RankCache| kvxfer_core::pull::KvCache {
+        groups: Some(groups()),
+        ..model.kv_cache(c)
+    };
+    let overlaid = |c: &crate::pull_env::RankCache| {
+        let mut kv = grouped(c);
+        // Split K/V regions [K0, V0, K1, V1]: layer 1 over layer 0's memory.
+        kv.bases = vec![kv.bases[0], kv.bases[1], kv.bases[0], kv.bases[1]];
+        kv
+    };
+    let mut pre = crate::pull_env::engine_with("hyb-P", &model, true, &mk(f), &grouped);
+    let mut dec = crate::pull_env::engine_with("hyb-D", &model, false, &mk(f), &overlaid);
+    let asks = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    // Group 1 (the window) holds fewer blocks than group 0; its local blocks take the tail.
+    let decision =
+        pre.scheduler
+            .request_finished("r", Some(&asks), true, &[vec![1, 2, 3], vec![5, 6]]);
+    let mut params = decision.params.expect("params");
+    let meta = pre.scheduler.build_step_meta();
+    pre.workers[0].start_load_kv(&meta);
+    dec.scheduler
+        .after_alloc("r", &mut params, &[vec![8, 9, 10], vec![12]], 12)
+        .expect("after alloc");
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    let mut failures = Vec::new();
+    poll_until_pair(
+        &mut dec,
+        &mut pre,
+        &mut [false],
+        &mut [false],
+        &mut failures,
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    let m = dec.workers[0].take_metrics();
+    let block = model.spec(4).block_len();
+    assert_eq!(
+        m.bytes,
+        block * 2 * (3 + 1),
+        "K and V: 3 blocks of group 0, 1 of group 1"
+    );
+    assert_eq!(m.transfers, 1, "all groups in one READ");
+    // Decode regions 0 and 1 (K, V of the shared memory): group 0's blocks hold layer 0's
+    // bytes, group 1's block layer 1's (from the prefill's regions 2 and 3); nothing else
+    // was written, and layer 1's own regions stay untouched.
+    let (src, dst) = (&pre.caches[0], &dec.caches[0]);
+    let region = src.spec.region_len() as usize;
+    let at = |r: usize, b: u32| r * region + b as usize * block as usize;
+    for r in 0..4 {
+        for b in 0..model.blocks {
+            let got = &dst.mem[at(r, b)..at(r, b) + block as usize];
+            let from = match (r, b) {
+                (0 | 1, 8..=10) => Some(at(r, b - 7)),
+                (0 | 1, 12) => Some(at(r + 2, 6)),
+                _ => None,
+            };
+            match from {
+                Some(s) => assert!(
+                    got == &src.mem[s..s + block as usize],
+                    "region {r} block {b}"
+                ),
+                None => assert!(
+                    got.iter().all(|&x| x == crate::pull_env::GUARD),
+                    "region {r} block {b} was written"
+                ),
+            }
+        }
+    }
+    // A decode of one group loading from this prefill: refused, naming the groups.
+    let mut plain = engine("hyb-D1", &model, 1, false, clock(), &mk(f), &no_tune);
+    let mut params = pre
+        .scheduler
+        .request_finished("r2", Some(&asks), true, &[vec![4], vec![7]])
+        .params
+        .expect("params");
+    let meta = pre.scheduler.build_step_meta();
+    pre.workers[0].start_load_kv(&meta);
+    plain
+        .scheduler
+        .after_alloc("r2", &mut params, &[vec![1], vec![2]], 4)
+        .expect("after alloc");
+    let meta = plain.scheduler.build_step_meta();
+    plain.workers[0].start_load_kv(&meta);
+    let failed = first_failure(&mut plain);
+    assert!(
+        failed[0]
+            .reason
+            .contains("KV cache groups (layers of each): local one, remote [[0], [1]]"),
+        "{}",
+        failed[0].reason
+    );
+    assert_eq!(failed[0].invalid_blocks, vec![1, 2]);
+    plain.caches[0].verify(&[]).expect("nothing written");
 }

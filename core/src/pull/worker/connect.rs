@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kvxfer_layout::{
-    CacheKind, CacheSide, CacheSpec, LinkKind, Side, SideLayout, TpMapping, check_compatible,
+    CacheKind, CacheSide, CacheSpec, LayerGroups, LinkKind, Side, SideLayout, TpMapping,
+    check_compatible,
 };
 
 use super::vllm::{StockPrefill, layout_name, stock_handshake};
@@ -192,6 +193,12 @@ impl<T: Transport> PullWorker<T> {
                     n.kv_cache_layout
                 ));
             }
+            if own.groups.is_some() {
+                problems.push(format!(
+                    "a hybrid cache ({} KV cache groups) does not pair with stock vLLM peers yet",
+                    own.group_count()
+                ));
+            }
             if n.block_size != own.spec.tokens_per_block() {
                 problems.push(format!(
                     "block_size: local {}, remote {}",
@@ -200,7 +207,7 @@ impl<T: Transport> PullWorker<T> {
                 ));
             }
         }
-        let (spec, first_layer) = match &meta.kvxfer_layout {
+        let (spec, first_layer, groups) = match &meta.kvxfer_layout {
             Some(layout) => {
                 if meta.kvxfer_protocol != Some(PROTOCOL_VERSION) {
                     problems.push(format!(
@@ -225,7 +232,27 @@ impl<T: Transport> PullWorker<T> {
                 if let Err(mismatches) = check_compatible(&local, &remote) {
                     problems.extend(mismatches.iter().map(ToString::to_string));
                 }
-                (spec, layout.first_layer)
+                let groups = match &layout.groups {
+                    Some(_)
+                        if layout.first_layer != 0 || layout.total_layers != spec.num_layers() =>
+                    {
+                        return Err("KV cache groups from a pipeline stage: unsupported".into());
+                    }
+                    Some(g) => Some(
+                        LayerGroups::new(g.clone(), spec.num_layers())
+                            .map_err(|e| format!("KV cache groups: {e}"))?,
+                    ),
+                    None => None,
+                };
+                let ours = own.groups.as_ref().map(LayerGroups::as_slice);
+                if ours != groups.as_ref().map(LayerGroups::as_slice) {
+                    problems.push(format!(
+                        "KV cache groups (layers of each): local {}, remote {}",
+                        groups_name(ours),
+                        groups_name(groups.as_ref().map(LayerGroups::as_slice))
+                    ));
+                }
+                (spec, layout.first_layer, groups)
             }
             None => {
                 // A reference peer: derive its spec from ours and check its block length.
@@ -245,7 +272,13 @@ impl<T: Transport> PullWorker<T> {
                         meta.block_len
                     ));
                 }
-                (spec, 0)
+                if own.groups.is_some() {
+                    problems.push(format!(
+                        "a hybrid cache ({} KV cache groups) does not pair with a peer of the reference protocol",
+                        own.group_count()
+                    ));
+                }
+                (spec, 0, None)
             }
         };
         if spec.num_regions() as usize != meta.kv_caches_base_addr.len() {
@@ -261,7 +294,11 @@ impl<T: Transport> PullWorker<T> {
             }
             tracing::warn!(rank, problems = %problems.join("; "), "incompatible KV layout (enforcement disabled)");
         }
-        CacheSide::new(&spec, &meta.kv_caches_base_addr, first_layer).map_err(|e| e.to_string())?;
+        match &groups {
+            None => CacheSide::new(&spec, &meta.kv_caches_base_addr, first_layer).map(|_| ()),
+            Some(g) => g.check_regions(&spec, &meta.kv_caches_base_addr),
+        }
+        .map_err(|e| e.to_string())?;
         let peer = match native {
             Some(n) => self
                 .transport
@@ -278,6 +315,7 @@ impl<T: Transport> PullWorker<T> {
             lists: None,
             instance: meta.kvxfer_instance,
             stock: native.is_some(),
+            groups,
         };
         remote.lists = self.block_lists(mapping, rank, &remote);
         Ok(remote)
@@ -290,9 +328,12 @@ impl<T: Transport> PullWorker<T> {
         rank: u32,
         remote: &RemoteRank,
     ) -> Option<BlockLists> {
+        // Hybrid caches post raw plans: prepared lists describe one block table.
         if !self.config.prepared_lists
             || !self.transport.prefers_prepared_lists()
             || self.cache.layer_windows.is_some()
+            || self.cache.groups.is_some()
+            || remote.groups.is_some()
         {
             return None;
         }
@@ -467,4 +508,9 @@ fn kvxfer_peer(meta: crate::wire::handshake::HandshakeMeta) -> Fetched {
         native: None,
         clock_offset: None,
     }
+}
+
+/// KV cache groups as a mismatch names them (`one` for a single group).
+fn groups_name(groups: Option<&[Vec<u32>]>) -> String {
+    groups.map_or_else(|| "one".to_string(), |g| format!("{g:?}"))
 }

@@ -3,13 +3,16 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
+use kvxfer_layout::{
+    BlockPairs, CacheSide, HeadSlice, LinkKind, PlanOptions, TransferPlan, plan_transfer_into,
+};
 
-use super::{Engine, FailedLoad, Load, PullWorker};
-use crate::plan::split_for;
+use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank};
+use crate::plan::append_for;
 use crate::pull::block_lists;
+use crate::pull::config::KvCache;
 use crate::pull::notify;
-use crate::pull::scheduler::RecvRequest;
+use crate::pull::scheduler::{GroupPairs, RecvRequest};
 use crate::tally::Tally;
 use crate::transport::{Op, Transport, XferId, XferStatus};
 
@@ -62,22 +65,11 @@ impl<T: Transport> PullWorker<T> {
                 Vec::new(),
             ));
         };
-        let local = &req.local_block_ids;
-        if local.len() > req.remote_block_ids.len() {
-            let reason = format!(
-                "{} local blocks but the prefill holds only {}",
-                local.len(),
-                req.remote_block_ids.len()
-            );
-            return Err((reason, Vec::new()));
-        }
-        // Checked above: the prefill holds at least as many blocks as are read.
-        let remote =
-            &req.remote_block_ids[req.remote_block_ids.len().saturating_sub(local.len())..];
+        let pairs = req
+            .pairs(self.cache.group_count())
+            .map_err(|e| (e, Vec::new()))?;
         let links = mapping
             .links_for_decode(self.config.tp_rank)
-            .map_err(|e| (e.to_string(), Vec::new()))?;
-        let own = CacheSide::new(&self.cache.spec, &self.cache.bases, self.cache.first_layer)
             .map_err(|e| (e.to_string(), Vec::new()))?;
         let mut posted = Vec::new();
         for link in links {
@@ -91,11 +83,17 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             };
+            // Prepared lists describe one block table: single-group caches only.
+            let single = match pairs.as_slice() {
+                [one] => Some(*one),
+                _ => None,
+            };
             let indexed = rank
                 .lists
-                .filter(|_| !local.is_empty() && block_lists::fragmented(remote, local));
+                .zip(single)
+                .filter(|(_, (remote, local))| block_lists::fragmented(remote, local));
             match (link.kind, indexed) {
-                (LinkKind::Data(_), Some(lists)) => {
+                (LinkKind::Data(_), Some((lists, (remote, local)))) => {
                     let planning = self.clock.now();
                     lists
                         .indices(remote, local, &mut self.indices.0, &mut self.indices.1)
@@ -128,30 +126,17 @@ impl<T: Transport> PullWorker<T> {
                         .descriptors_posted
                         .tally(self.indices.0.len() as u64);
                 }
-                (LinkKind::Data(slice), None) if !local.is_empty() => {
-                    let side = CacheSide::new(&rank.spec, &rank.bases, rank.first_layer)
-                        .map_err(|e| (e.to_string(), posted.clone()))?;
-                    let pairs = BlockPairs {
-                        src: remote,
-                        dst: local,
-                        windows: self.cache.layer_windows.as_deref(),
-                    };
+                (LinkKind::Data(slice), None) if !pairs.is_empty() => {
                     let planning = self.clock.now();
-                    plan_transfer_into(
-                        &side,
-                        &own,
+                    let (bytes, raw) = plan_read(
+                        rank,
+                        &self.cache,
                         slice,
                         &pairs,
-                        PlanOptions::default(),
                         &mut self.plan,
+                        &mut self.ranges,
                     )
-                    .map_err(|e| (e.to_string(), posted.clone()))?;
-                    split_for(
-                        Op::Read,
-                        self.plan.iter(),
-                        &mut self.ranges.0,
-                        &mut self.ranges.1,
-                    );
+                    .map_err(|e| (e, posted.clone()))?;
                     self.metrics
                         .plan_time
                         .tally(self.clock.now().saturating_sub(planning));
@@ -169,11 +154,11 @@ impl<T: Transport> PullWorker<T> {
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
                     self.metrics.transfers.tally(1);
-                    self.metrics.bytes.tally(self.plan.total_bytes);
-                    self.metrics.descriptors_raw.tally(self.plan.raw_count);
+                    self.metrics.bytes.tally(bytes);
+                    self.metrics.descriptors_raw.tally(raw);
                     self.metrics
                         .descriptors_posted
-                        .tally(self.plan.len() as u64);
+                        .tally(self.ranges.0.len() as u64);
                 }
                 _ => {
                     if let Err(e) = self.transport.send_notification(rank.peer, &note) {
@@ -190,9 +175,10 @@ impl<T: Transport> PullWorker<T> {
     }
     pub(super) fn fail(&mut self, req: RecvRequest, reason: String) {
         self.finished.recving.push(req.req_id.clone());
+        let invalid_blocks = req.all_local_blocks();
         self.finished.failed.push(FailedLoad {
             req_id: req.req_id,
-            invalid_blocks: req.local_block_ids,
+            invalid_blocks,
             reason,
             policy: self.config.failure_policy,
         });
@@ -383,4 +369,75 @@ impl<T: Transport> PullWorker<T> {
         }
         self.orphans = keep;
     }
+}
+
+/// Plans the READ of `pairs` (per KV cache group: prefill blocks, local blocks) from
+/// `remote` into `own` into `ranges` (local, remote): one coalesced plan per group, on that
+/// group's layers alone. Returns the bytes moved and the descriptors before coalescing.
+fn plan_read(
+    remote: &RemoteRank,
+    own: &KvCache,
+    slice: HeadSlice,
+    pairs: &[GroupPairs<'_>],
+    plan: &mut TransferPlan,
+    ranges: &mut (
+        Vec<crate::transport::AddrRange>,
+        Vec<crate::transport::AddrRange>,
+    ),
+) -> Result<(u64, u64), String> {
+    ranges.0.clear();
+    ranges.1.clear();
+    let (mut bytes, mut raw) = (0u64, 0u64);
+    let mut add = |src: &CacheSide<'_>,
+                   dst: &CacheSide<'_>,
+                   pairs: &BlockPairs<'_>,
+                   plan: &mut TransferPlan|
+     -> Result<(), String> {
+        plan_transfer_into(src, dst, slice, pairs, PlanOptions::default(), plan)
+            .map_err(|e| e.to_string())?;
+        append_for(Op::Read, plan.iter(), &mut ranges.0, &mut ranges.1);
+        bytes = bytes.saturating_add(plan.total_bytes);
+        raw = raw.saturating_add(plan.raw_count);
+        Ok(())
+    };
+    match (&remote.groups, &own.groups) {
+        (None, None) => {
+            let [(src_blocks, dst_blocks)] = pairs else {
+                return Err(format!("{} KV cache groups of blocks for one", pairs.len()));
+            };
+            let src = CacheSide::new(&remote.spec, &remote.bases, remote.first_layer)
+                .map_err(|e| e.to_string())?;
+            let dst = CacheSide::new(&own.spec, &own.bases, own.first_layer)
+                .map_err(|e| e.to_string())?;
+            let blocks = BlockPairs {
+                src: src_blocks,
+                dst: dst_blocks,
+                windows: own.layer_windows.as_deref(),
+            };
+            add(&src, &dst, &blocks, plan)?;
+        }
+        (Some(theirs), Some(ours)) if theirs == ours => {
+            for (g, (src_blocks, dst_blocks)) in pairs.iter().enumerate() {
+                if dst_blocks.is_empty() {
+                    continue;
+                }
+                let layout = |e: kvxfer_layout::LayoutError| format!("KV cache group {g}: {e}");
+                let (rspec, rbases) = theirs
+                    .group_side(g, &remote.spec, &remote.bases)
+                    .map_err(layout)?;
+                let (ospec, obases) = ours.group_side(g, &own.spec, &own.bases).map_err(layout)?;
+                // Groups span the whole model on both sides (KvCache::check, the handshake).
+                let src = CacheSide::new(&rspec, &rbases, 0).map_err(layout)?;
+                let dst = CacheSide::new(&ospec, &obases, 0).map_err(layout)?;
+                let blocks = BlockPairs {
+                    src: src_blocks,
+                    dst: dst_blocks,
+                    windows: None,
+                };
+                add(&src, &dst, &blocks, plan)?;
+            }
+        }
+        _ => return Err("the prefill's KV cache groups differ from this cache's".into()),
+    }
+    Ok((bytes, raw))
 }

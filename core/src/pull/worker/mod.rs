@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
-use kvxfer_layout::{CacheSide, CacheSpec, LayoutError, TpMapping, TransferPlan};
+use kvxfer_layout::{CacheSpec, LayerGroups, LayoutError, TpMapping, TransferPlan};
 
 use super::block_lists::BlockLists;
 use super::config::{FailurePolicy, KvCache, PullConfig};
@@ -97,6 +97,8 @@ struct RemoteRank {
     lists: Option<BlockLists>,
     /// The worker instance the handshake named (kvxfer peers).
     instance: Option<u64>,
+    /// Its KV cache groups (a hybrid model), as the handshake named them.
+    groups: Option<LayerGroups>,
     /// A stock vLLM 0.32 prefill: heartbeats in its format.
     stock: bool,
 }
@@ -194,14 +196,15 @@ impl<T: Transport> PullWorker<T> {
         cache: KvCache,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, PullError> {
-        CacheSide::new(&cache.spec, &cache.bases, cache.first_layer)?;
+        cache.check()?;
         let registrations = register_spans(&mut transport, &cache)?;
-        let layout = LayoutWire::from_spec(
+        let mut layout = LayoutWire::from_spec(
             &cache.spec,
             cache.total_kv_heads,
             cache.total_layers,
             cache.first_layer,
         );
+        layout.groups = cache.groups.as_ref().map(|g| g.as_slice().to_vec());
         let meta = HandshakeMeta {
             engine_id: config.engine_id.clone(),
             agent_metadata: transport.metadata()?,
@@ -447,6 +450,8 @@ fn register_spans<T: Transport>(
 ) -> Result<Vec<Registration>, PullError> {
     let mut bases = cache.bases.clone();
     bases.sort_unstable();
+    // Regions that KV cache groups share are registered once.
+    bases.dedup();
     let len = cache.spec.region_len();
     let mut spans: Vec<AddrRange> = Vec::new();
     for b in bases {
