@@ -66,4 +66,8 @@ if [ ! -f "$models/tiny-llama/model.safetensors" ]; then
     say "tiny seeded Llama"
     "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-llama" >&2
 fi
+if [ ! -f "$models/tiny-hybrid/model.safetensors" ]; then
+    say "tiny seeded hybrid Llama (full and sliding-window layers)"
+    "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-hybrid" --preset hybrid >&2
+fi
 echo "$py"

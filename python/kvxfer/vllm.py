@@ -173,6 +173,73 @@ def describe_cache(
     }
 
 
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group vLLM hands block ids for: its layers, and the attention window in
+    tokens of a sliding-window group (None: full attention)."""
+
+    layers: tuple[str, ...]
+    window: int | None
+
+
+def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
+    """The KV cache groups whose blocks move (vLLM's transfer groups), read from vLLM's
+    `kv_cache_config`. Raises ValueError naming a group kvxfer cannot move: state groups
+    (Mamba, linear attention), and block sizes that differ from the engine's."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    out = []
+    for g in kv_cache_config.transfer_groups:
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(
+                f"KV cache group of {list(g.layer_names)[:3]}...: {kind} is not supported "
+                "(kvxfer moves full and sliding-window attention groups; Mamba and "
+                "linear-attention state groups are refused)"
+            )
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"KV cache group of {list(g.layer_names)[:3]}...: {kind} with "
+                f"{spec.block_size}-token blocks, the engine's are {block_size}"
+            )
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise ValueError(
+                f"KV cache group of {list(g.layer_names)[:3]}...: a sliding window that "
+                f"retains {spec.extra_retained_tokens} extra tokens (speculative decoding) "
+                "is not supported"
+            )
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        out.append(CacheGroup(tuple(sorted(g.layer_names, key=_layer_key)), window))
+    return out
+
+
+def _held(ids: list[int]) -> list[int]:
+    """A group's block ids without the null blocks (id 0) vLLM's hybrid manager puts where
+    it freed out-of-window blocks: always at the start."""
+    start = next((i for i, b in enumerate(ids) if b != 0), len(ids))
+    return list(ids[start:])
+
+
+def window_blocks(ids: list[int], window: int | None, loaded: int, block_size: int) -> list[int]:
+    """The decode's blocks of one group that its first step reads, of those it allocated
+    for the `loaded` prompt tokens it loads: all of a full-attention group's; of a
+    sliding-window group's, those holding tokens from `loaded + 1 - window` on (the window of
+    token `loaded`, which the decode computes itself). vLLM frees the ones before."""
+    ids = _held(ids)
+    if window is None:
+        return ids
+    total = -(-loaded // block_size)
+    needed = total - max(0, loaded + 1 - window) // block_size
+    return ids[-needed:] if needed < len(ids) else ids
+
+
+def trim_tail(groups: list[list[int]] | list[int], drop: int) -> list[list[int]]:
+    """Per-group block ids without each group's last `drop` blocks (flat ids: one group)."""
+    per_group = [groups] if groups and isinstance(groups[0], int) else groups
+    return [list(g[: len(g) - drop]) if drop else list(g) for g in per_group]  # type: ignore[index]
+
+
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvxfer's pull connector (UCX or NIXL underneath)."""
 
@@ -196,6 +263,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         sched = vllm_config.scheduler_config
         self._hma = not getattr(sched, "disable_hybrid_kv_cache_manager", False)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._groups: list[CacheGroup] = []
+        self._transfer_ids: tuple[int, ...] = (0,)
+        if kv_cache_config is not None:
+            self._groups = cache_groups(kv_cache_config, self._block_size)
+            self._transfer_ids = tuple(kv_cache_config.transfer_group_ids)
+        self._sliding = any(g.window is not None for g in self._groups)
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
         self._registration: kvxfer.Registration | None = None
@@ -226,7 +300,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return self._sched().tokens_to_load(
                 request.request_id,
                 json.dumps(params),
-                len(request.prompt_token_ids or []),
+                self._load_end(len(request.prompt_token_ids or [])),
                 num_computed_tokens,
             )
         except kvxfer.KvxferError as e:
@@ -237,19 +311,34 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return 0, False
 
+    def _load_end(self, prompt_len: int) -> int:
+        """The prompt tokens a decode loads: all, or with a sliding-window group all but the
+        last, which the decode then computes itself: vLLM keeps the blocks that token's
+        window reads only when it is not counted as computed (loaded, vLLM recomputes it
+        with its window's first block already freed when the window starts a block)."""
+        return prompt_len - 1 if self._sliding and prompt_len > 1 else prompt_len
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        local: list[int] = []
+        prompt_len = len(request.prompt_token_ids or [])
+        loaded = self._load_end(prompt_len)
+        local: list[list[int]] = []
         if num_external_tokens > 0:
-            groups = blocks.get_unhashed_block_ids_all_groups()
-            local = list(groups[0]) if groups else []
+            local = self._per_group(blocks.get_unhashed_block_ids_all_groups(), loaded)
+        sent = dict(params)
+        drop = -(-prompt_len // self._block_size) - -(-loaded // self._block_size)
+        if drop and sent.get("remote_block_ids"):
+            # The prefill's lists end with the last prompt token's block; the decode's with
+            # the last loaded token's: both must end at the same block, since each group's
+            # local blocks take the tail of its remote ones.
+            sent["remote_block_ids"] = trim_tail(sent["remote_block_ids"], drop)
         try:
             updated = self._sched().after_alloc(
-                request.request_id, json.dumps(params), local, num_external_tokens
+                request.request_id, json.dumps(sent), local, num_external_tokens
             )
         except kvxfer.KvxferError as e:
             log.warning("request %s: cannot load remote KV (%s)", request.request_id, e)
@@ -266,21 +355,32 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, block_ids)
+        return self._finished(request, [list(block_ids)])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if len(block_ids) > 1 and any(block_ids[1:]):
-            log.warning(
-                "request %s: %d KV cache groups; kvxfer hands off the first only",
-                request.request_id,
-                len(block_ids),
-            )
-        return self._finished(request, list(block_ids[0]) if block_ids else [])
+        return self._finished(request, self._per_group(block_ids, None))
+
+    def _per_group(
+        self, block_ids: tuple[list[int], ...] | list[list[int]], loaded: int | None
+    ) -> list[list[int]]:
+        """The block ids of each group that moves, as vLLM lists them per KV cache group,
+        without the null blocks of freed out-of-window blocks; with the tokens a decode
+        `loaded`, a sliding-window group keeps only the blocks its window reads."""
+        if len(block_ids) == 1 or not self._groups:
+            return [_held(list(block_ids[0]))] if block_ids else [[]]
+        out = []
+        for i, g in zip(self._transfer_ids, self._groups, strict=True):
+            ids = list(block_ids[i])
+            if loaded is None:
+                out.append(_held(ids))
+            else:
+                out.append(window_blocks(ids, g.window, loaded, self._block_size))
+        return out
 
     def _finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
@@ -305,6 +405,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self._vllm_config
         par = cfg.parallel_config
         model = cfg.model_config
+        groups = None
+        if len(self._groups) > 1:
+            # A hybrid model: only the transfer groups' layers move, each group by its own
+            # block ids; their layers share memory (vLLM's overlay), registered once.
+            moved = {name for g in self._groups for name in g.layers}
+            kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
+            names = sorted(kv_caches, key=_layer_key)
+            index = {n: i for i, n in enumerate(names)}
+            groups = [sorted(index[n] for n in g.layers) for g in self._groups]
         layout = describe_cache(
             kv_caches,
             kv_heads=model.get_num_kv_heads(par),
@@ -316,7 +425,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         e = self._extra
         vllm_compat = None
-        if bool(e.get("vllm_peers", True)):
+        if groups is not None and bool(e.get("vllm_peers", True)):
+            log.warning(
+                "kvxfer: stock vLLM peers disabled: a hybrid model (%d KV cache groups) pairs "
+                "with kvxfer peers only",
+                len(groups),
+            )
+        elif bool(e.get("vllm_peers", True)):
             import vllm
 
             names = sorted(kv_caches, key=_layer_key)
@@ -353,11 +468,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
             enforce_compat=bool(e.get("enforce_compat", True)),
             vllm_compat=vllm_compat,
+            groups=groups,
             **layout,
         )
         log.info(
-            "kvxfer: registered %d layers (%s %s, %d blocks) on port %s",
+            "kvxfer: registered %d layers in %d KV cache groups (%s %s, %d blocks) on port %s",
             layout["num_layers"],
+            len(groups or [0]),
             layout["kind"],
             layout["order"],
             layout["num_blocks"],

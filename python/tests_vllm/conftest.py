@@ -6,15 +6,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import MODEL, Engine, free_port, start
+from harness import HYBRID_MODEL, MODEL, Engine, free_port, start
 
 HANDSHAKE_TIMEOUT = 10
 
 
-def _usable_or_skip(transport: str) -> None:
+def _usable_or_skip(transport: str, model: Path = MODEL) -> None:
     """Skips unless the test model exists and `transport` can make an agent here."""
-    if not Path(MODEL, "config.json").exists():
-        pytest.skip(f"no test model at {MODEL}: run scripts/vllm-env.sh")
+    if not Path(model, "config.json").exists():
+        pytest.skip(f"no test model at {model}: run scripts/vllm-env.sh")
     import kvxfer
 
     try:
@@ -129,6 +129,39 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engin
                 logdir,
                 model=MODEL,
                 opts={"tp": 2},
+            ),
+        ]
+    )
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+        print(f"engine logs: {logdir}")
+
+
+@pytest.fixture(scope="module")
+def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode of a hybrid model (full and sliding-window layers: two KV cache
+    groups sharing memory), UCX; the decode recomputes what it could not load."""
+    _usable_or_skip("ucx", HYBRID_MODEL)
+    logdir = tmp_path_factory.mktemp("vllm-hybrid")
+    p, d = start(
+        [
+            Engine(
+                "prefill-hybrid",
+                "0",
+                {"side_channel_port": free_port()},
+                logdir,
+                model=HYBRID_MODEL,
+            ),
+            Engine(
+                "decode-hybrid",
+                "1",
+                {"side_channel_port": free_port()},
+                logdir,
+                model=HYBRID_MODEL,
+                transfer_config={"kv_load_failure_policy": "recompute"},
             ),
         ]
     )

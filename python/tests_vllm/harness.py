@@ -16,6 +16,8 @@ from typing import Any
 HERE = Path(__file__).parent
 MODELS = Path(sys.prefix) / "models"
 MODEL = Path(os.environ.get("KVXFER_TEST_MODEL", str(MODELS / "tiny-llama")))
+# Full and 64-token sliding-window layers alternating (make_model.py's `hybrid` preset).
+HYBRID_MODEL = MODELS / "tiny-hybrid"
 KVXFER = ("KvxferConnector", "kvxfer.vllm")
 _handed_out: set[int] = set()
 

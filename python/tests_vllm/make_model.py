@@ -1,20 +1,24 @@
 """Writes a small Llama with seeded random weights, so the real-engine tests and the benchmark
 run a real model without downloading one. Usage: make_model.py DIR [--preset NAME]
 
-Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token), and
-`llama8b-kv`: Llama-3-8B's KV geometry (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of
-KV per token, as the real model) with a hidden size of 256 and 8 query heads, so a CPU prefill
-costs seconds instead of minutes; the query heads do not change the KV cache.
+Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token),
+`hybrid` (4 layers alternating full and 64-token sliding-window attention, as Gemma 3 and
+gpt-oss interleave them: vLLM's hybrid KV cache manager gives the two kinds separate KV cache
+groups that share memory), and `llama8b-kv`: Llama-3-8B's KV geometry (32 layers, 8 KV
+heads, head dim 128, bf16: 128 KiB of KV per token, as the real model) with a hidden size of
+256 and 8 query heads, so a CPU prefill costs seconds instead of minutes; the query heads do
+not change the KV cache.
 """
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-PRESETS: dict[str, dict[str, int | str]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 128,
         "num_attention_heads": 2,
@@ -23,6 +27,17 @@ PRESETS: dict[str, dict[str, int | str]] = {
         "num_hidden_layers": 2,
         "intermediate_size": 256,
         "torch_dtype": "float32",
+    },
+    "hybrid": {
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "torch_dtype": "float32",
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "sliding_window": 64,
     },
     "llama8b-kv": {
         "hidden_size": 256,

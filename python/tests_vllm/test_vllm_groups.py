@@ -1,0 +1,82 @@
+"""KvxferConnector's reading of vLLM's KV cache groups, on vLLM's own spec classes (no engine):
+which groups it moves and which it refuses at start-up, and which blocks of a group a load
+reads."""
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvxfer.vllm import CacheGroup, cache_groups, trim_tail, window_blocks
+
+BLOCK = 32
+
+
+def attention(window: int | None = None, block: int = BLOCK, **kw: int) -> FullAttentionSpec:
+    common = {"block_size": block, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    if window is None:
+        return FullAttentionSpec(**common)
+    return SlidingWindowSpec(**common, sliding_window=window, **kw)
+
+
+def config(*specs: object, transfer: tuple[bool, ...] | None = None) -> KVCacheConfig:
+    groups = [
+        KVCacheGroupSpec(
+            [f"model.layers.{i}.attn", f"model.layers.{i + len(specs)}.attn"],
+            spec,  # type: ignore[arg-type]
+            enable_kv_transfer=(transfer or (True,) * len(specs))[i],
+        )
+        for i, spec in enumerate(specs)
+    ]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_full_and_sliding_window_groups_are_read_in_layer_order() -> None:
+    groups = cache_groups(config(attention(), attention(window=64)), BLOCK)
+    assert groups == [
+        CacheGroup(("model.layers.0.attn", "model.layers.2.attn"), None),
+        CacheGroup(("model.layers.1.attn", "model.layers.3.attn"), 64),
+    ]
+    # A group vLLM does not transfer is not moved.
+    only = cache_groups(config(attention(), attention(window=64), transfer=(True, False)), BLOCK)
+    assert [g.window for g in only] == [None]
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (
+            MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,)),
+            "MambaSpec is not supported",
+        ),
+        (attention(block=16), "16-token blocks, the engine's are 32"),
+        (attention(window=64, extra_retained_tokens=3), "retains 3 extra tokens"),
+    ],
+)
+def test_groups_kvxfer_cannot_move_are_refused_naming_why(spec: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        cache_groups(config(attention(), spec), BLOCK)
+
+
+def test_a_sliding_window_group_reads_only_its_windows_blocks() -> None:
+    ids = [0, 0, 11, 12, 13]  # vLLM's null blocks where it freed out-of-window blocks
+    assert window_blocks(ids, None, 150, BLOCK) == [11, 12, 13]
+    # 150 tokens loaded: token 150's window (64) starts at token 87, in block 2 of 0..4.
+    assert window_blocks([1, 2, 3, 4, 5], 64, 150, BLOCK) == [3, 4, 5]
+    # 95 loaded: its window starts at token 32: blocks 1 and 2.
+    assert window_blocks([1, 2, 3], 64, 95, BLOCK) == [2, 3]
+    # 94 loaded: its window starts at token 31: all three.
+    assert window_blocks([1, 2, 3], 64, 94, BLOCK) == [1, 2, 3]
+    # A prompt shorter than the window reads every block.
+    assert window_blocks([7, 8], 64, 40, BLOCK) == [7, 8]
+
+
+def test_the_prefills_lists_lose_their_last_block_to_end_where_the_decodes_do() -> None:
+    assert trim_tail([[1, 2, 3], [5, 6]], 1) == [[1, 2], [5]]
+    assert trim_tail([1, 2, 3], 1) == [[1, 2]]
+    assert trim_tail([[1, 2]], 0) == [[1, 2]]

@@ -1,0 +1,84 @@
+"""A hybrid model (full-attention and 64-token sliding-window layers alternating, as Gemma 3
+and gpt-oss interleave them) in a real vLLM: its hybrid KV cache manager gives each kind a KV
+cache group with its own block ids, and lays a layer of each group over the same memory.
+KvxferConnector moves every group, each by its own blocks (a sliding-window group only the
+blocks its window still reads), and refuses rather than reads a block the prefill freed."""
+
+from typing import Any
+
+from flows import BLOCK, assert_same_output, decode, kvxfer_metrics, prefill, prompt
+from harness import Engine
+
+WINDOW = 64
+# vLLM's group order for this model: full attention (layers 0, 2), sliding window (1, 3).
+GROUP_OF_LAYER = {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def full_blocks(ids: list[int], prompt_len: int) -> list[int]:
+    """The blocks of a group's tail list that the prompt fills (the last may be partial:
+    the decode recomputes the last prompt token into it)."""
+    return ids[:-1] if prompt_len % BLOCK else ids
+
+
+def test_every_group_arrives_byte_identical_below_and_above_the_window(
+    hybrid_engines: tuple[Engine, Engine],
+) -> None:
+    p, d = hybrid_engines
+    lengths = [40, 100, 150, 257]  # the first fits the window; none ends where it slides off
+    xs = [prompt(40 + i, n) for i, n in enumerate(lengths)]
+    params = prefill(p, xs)
+    for n, q in zip(lengths, params, strict=True):
+        full, sliding = q["remote_block_ids"]
+        # Full attention: every block; sliding window: only those the window still reads.
+        assert len(full) == -(-n // BLOCK), (n, q)
+        assert len(sliding) == -(-n // BLOCK) - max(0, n - WINDOW + 1) // BLOCK, (n, q)
+    p_blocks = p.call({"op": "kv_hashes"})
+    before = d.call({"op": "kv_hashes"})
+    external = d.call({"op": "external_tokens"})
+    failed = kvxfer_metrics(d).get("vllm:kvxfer_failed_setups", 0)
+    remote = decode(d, xs, params)
+    # All but the last prompt token, which the decode computes (its window's blocks kept).
+    assert d.call({"op": "external_tokens"}) - external == sum(lengths) - len(lengths)
+    assert kvxfer_metrics(d).get("vllm:kvxfer_failed_setups", 0) == failed
+    after = d.call({"op": "kv_hashes"})
+    for n, q in zip(lengths, params, strict=True):
+        for layer, group in GROUP_OF_LAYER.items():
+            for block in full_blocks(q["remote_block_ids"][group], n):
+                h = p_blocks[str(layer)][str(block)]
+                assert h in after[str(layer)].values(), f"layer {layer}: block {block} missing"
+                assert h not in before[str(layer)].values(), f"layer {layer}: {block} was there"
+    local = decode(d, xs, [None] * len(xs))
+    for r, q in zip(remote, local, strict=True):
+        assert_same_output(r, q)
+
+
+def test_kv_of_another_prompt_changes_the_output(hybrid_engines: tuple[Engine, Engine]) -> None:
+    p, d = hybrid_engines
+    x, y = prompt(50, 150), prompt(51, 150)
+    (params_y,) = prefill(p, [y])
+    (wrong,) = decode(d, [x], [params_y])
+    (local,) = decode(d, [x], [None])
+    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV it pulled"
+
+
+def test_a_window_block_the_prefill_freed_is_recomputed_not_read(
+    hybrid_engines: tuple[Engine, Engine],
+) -> None:
+    """A 95-token prompt: the prefill frees tokens up to 95 - 64 = 31 before handing off
+    (its next token's window starts at 32), but the decode computes token 94, whose window
+    starts at 31: the block holding it is gone. The load fails with that reason and vLLM
+    recomputes the prompt (this decode's policy); nothing is read from a freed block, and no
+    key of the window is missing (loading all 95 tokens, vLLM's decode frees that block
+    itself and token 94 attends to whatever its null block holds)."""
+    p, d = hybrid_engines
+    x = prompt(60, 95)
+    (params,) = prefill(p, [x])
+    assert len(params["remote_block_ids"][1]) == 2, params
+    before: dict[str, Any] = kvxfer_metrics(d)
+    (out,) = decode(d, [x], [params])
+    (local,) = decode(d, [x], [None])
+    assert_same_output(out, local)
+    assert kvxfer_metrics(d)["vllm:kvxfer_failed_setups"] > before.get(
+        "vllm:kvxfer_failed_setups", 0
+    )
+    assert "KV cache group 1: 3 local blocks but the prefill holds only 2" in d.log_text()
