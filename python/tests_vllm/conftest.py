@@ -3,6 +3,7 @@ KvxferConnector, started once per transport (UCX, NIXL) and shared by the tests.
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,18 @@ def _usable_or_skip(transport: str, model: Path = MODEL) -> None:
         pytest.skip(f"{transport}: {e}")
 
 
+@contextmanager
+def running(engines: list[Engine], logdir: Path) -> Iterator[list[Engine]]:
+    """Starts `engines` (in parallel) and closes them all at the end."""
+    start(engines)
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.close()
+        print(f"engine logs: {logdir}")
+
+
 @pytest.fixture(scope="session", params=["ucx", "nixl"])
 def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -30,20 +43,16 @@ def engines(
     _usable_or_skip(request.param)
     logdir = tmp_path_factory.mktemp(f"vllm-{request.param}")
     extra = {"transport": request.param}
-    p, d = start(
+    with running(
         [
             Engine(
                 "prefill", "0", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL
             ),
             Engine("decode", "1", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL),
-        ]
-    )
-    try:
+        ],
+        logdir,
+    ) as (p, d):
         yield p, d
-    finally:
-        p.close()
-        d.close()
-        print(f"engine logs: {logdir}")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,7 @@ def bf16_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
     _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-bf16")
     opts = {"dtype": "bfloat16"}
-    p, d = start(
+    with running(
         [
             Engine(
                 "prefill-bf16",
@@ -70,12 +79,10 @@ def bf16_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
                 model=MODEL,
                 opts={**opts, "prefix_caching": True},
             ),
-        ]
-    )
-    yield p, d
-    p.close()
-    d.close()
-    print(f"engine logs: {logdir}")
+        ],
+        logdir,
+    ) as (p, d):
+        yield p, d
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +109,8 @@ def fault_decodes(fault_logdir: Path) -> Iterator[dict[str, Engine]]:
         )
         for policy in ("fail", "recompute")
     }
-    start(list(decodes.values()))
-    yield decodes
-    for e in decodes.values():
-        e.close()
-    print(f"engine logs: {fault_logdir}")
+    with running(list(decodes.values()), fault_logdir):
+        yield decodes
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +121,7 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engin
     _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-tp")
     extra = {"handshake_timeout": 60, "transfer_timeout": 180}
-    p, d = start(
+    with running(
         [
             Engine(
                 "prefill-tp1", "0", {**extra, "side_channel_port": free_port()}, logdir, model=MODEL
@@ -130,14 +134,10 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engin
                 model=MODEL,
                 opts={"tp": 2},
             ),
-        ]
-    )
-    try:
+        ],
+        logdir,
+    ) as (p, d):
         yield p, d
-    finally:
-        p.close()
-        d.close()
-        print(f"engine logs: {logdir}")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
     groups sharing memory), UCX; the decode recomputes what it could not load."""
     _usable_or_skip("ucx", HYBRID_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-hybrid")
-    p, d = start(
+    with running(
         [
             Engine(
                 "prefill-hybrid",
@@ -163,11 +163,7 @@ def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
                 model=HYBRID_MODEL,
                 transfer_config={"kv_load_failure_policy": "recompute"},
             ),
-        ]
-    )
-    try:
+        ],
+        logdir,
+    ) as (p, d):
         yield p, d
-    finally:
-        p.close()
-        d.close()
-        print(f"engine logs: {logdir}")

@@ -298,22 +298,27 @@ pub fn engine<T: Transport>(
     make: &dyn Fn(&str) -> T,
     tune: &dyn Fn(&mut PullConfig),
 ) -> Engine<T> {
+    let kv = |c: &RankCache| model.kv_cache(c);
+    let bases = candidate_ports(name, prefill);
+    build(name, model, tp, prefill, bases, clock, make, tune, &kv)
+        .unwrap_or_else(|| panic!("no free port range for {name}"))
+}
+
+/// Base ports to try for engine `name`, derived from its name: a prefill's below Linux's
+/// ephemeral range (32768 and up by default), so no test's outgoing connection can take a
+/// port between a prefill's exit and its restart at that port; a decode's 0 (any).
+fn candidate_ports(name: &str, prefill: bool) -> impl Iterator<Item = u16> {
     let mut seed = name
         .bytes()
         .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-    // Below Linux's ephemeral range (32768 and up by default), so no test's outgoing
-    // connection can take a port between a prefill's exit and its restart at that port.
-    let bases = (0..50).map(|_| {
+    (0..50).map(move |_| {
         seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
         if prefill {
             20_000 + (seed % 12_000) as u16
         } else {
             0
         }
-    });
-    let kv = |c: &RankCache| model.kv_cache(c);
-    build(name, model, tp, prefill, bases, clock, make, tune, &kv)
-        .unwrap_or_else(|| panic!("no free port range for {name}"))
+    })
 }
 
 /// Like [`engine`] for one rank, with the [`KvCache`] each rank registers made by `kv` from
@@ -325,18 +330,8 @@ pub fn engine_with<T: Transport>(
     make: &dyn Fn(&str) -> T,
     kv: &dyn Fn(&RankCache) -> KvCache,
 ) -> Engine<T> {
-    let mut seed = name
-        .bytes()
-        .fold(11u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-    let bases = (0..50).map(|_| {
-        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
-        if prefill {
-            20_000 + (seed % 12_000) as u16
-        } else {
-            0
-        }
-    });
     let clock: Arc<dyn Clock> = Arc::new(kvxfer_core::clock::SystemClock::default());
+    let bases = candidate_ports(name, prefill);
     build(name, model, 1, prefill, bases, clock, make, &|_| {}, kv)
         .unwrap_or_else(|| panic!("no free port range for {name}"))
 }
