@@ -419,10 +419,10 @@ impl<T: Transport> PullWorker<T> {
                 for (x, _) in load.xfers {
                     let _ = self.transport.release(x);
                 }
-                let why = load
-                    .failed
-                    .unwrap_or_else(|| format!("connection to {engine_id} lost: {reason}"));
-                self.fail(load.req, format!("transfer failed: {why}"));
+                let why = load.failed.unwrap_or_else(|| {
+                    format!("transfer failed: connection to {engine_id} lost: {reason}")
+                });
+                self.fail(load.req, why);
             }
         }
         for r in ranks.into_values() {

@@ -46,9 +46,22 @@ impl<T: Transport> PullWorker<T> {
             }
             Err((reason, posted)) => {
                 self.metrics.failed_setups.tally(1);
-                self.orphans.extend(posted);
                 let engine_id = req.engine_id.clone();
-                self.fail(req, reason);
+                if posted.is_empty() {
+                    self.fail(req, reason);
+                } else {
+                    // READs posted before the failure may still land in the blocks: the load
+                    // is reported failed once they ended (poll_loads), never before.
+                    let now = self.clock.now();
+                    self.loads.insert(
+                        req.req_id.clone(),
+                        Load {
+                            req,
+                            xfers: posted.into_iter().map(|x| (x, now)).collect(),
+                            failed: Some(reason),
+                        },
+                    );
+                }
                 self.drop_if_peer_failed(&engine_id);
             }
         }
@@ -199,7 +212,7 @@ impl<T: Transport> PullWorker<T> {
                         // engine hears they are invalid. Release is bounded by the transport.
                         self.metrics.failed_transfers.tally(1);
                         load.failed.get_or_insert(format!(
-                            "no completion within {:?}",
+                            "transfer failed: no completion within {:?}",
                             self.config.transfer_timeout
                         ));
                         let _ = self.transport.release(x);
@@ -214,12 +227,14 @@ impl<T: Transport> PullWorker<T> {
                     }
                     Ok(XferStatus::Failed(reason)) => {
                         self.metrics.failed_transfers.tally(1);
-                        load.failed.get_or_insert(reason);
+                        load.failed
+                            .get_or_insert_with(|| format!("transfer failed: {reason}"));
                         let _ = self.transport.release(x);
                     }
                     Err(e) => {
                         self.metrics.failed_transfers.tally(1);
-                        load.failed.get_or_insert(e.to_string());
+                        load.failed
+                            .get_or_insert_with(|| format!("transfer failed: {e}"));
                     }
                 }
             }
@@ -236,7 +251,7 @@ impl<T: Transport> PullWorker<T> {
             if let Some(load) = self.loads.remove(&id) {
                 match load.failed {
                     None => self.finished.recving.push(id),
-                    Some(reason) => self.fail(load.req, format!("transfer failed: {reason}")),
+                    Some(reason) => self.fail(load.req, reason),
                 }
             }
         }
@@ -356,18 +371,6 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
         }
-    }
-    pub(super) fn release_orphans(&mut self) {
-        let mut keep = Vec::new();
-        for x in std::mem::take(&mut self.orphans) {
-            match self.transport.status(x) {
-                Ok(XferStatus::InProgress) => keep.push(x),
-                _ => {
-                    let _ = self.transport.release(x);
-                }
-            }
-        }
-        self.orphans = keep;
     }
 }
 

@@ -163,7 +163,6 @@ pub struct PullWorker<T: Transport> {
     /// like loads (see [`StepMeta::wait`]).
     waiting: HashMap<String, RecvRequest>,
     loads: HashMap<String, Load>,
-    orphans: Vec<XferId>,
     holds: Holds,
     outcomes: (Sender<Outcome>, Receiver<Outcome>),
     threads: Vec<JoinHandle<()>>,
@@ -255,7 +254,6 @@ impl<T: Transport> PullWorker<T> {
             queued: HashMap::new(),
             waiting: HashMap::new(),
             loads: HashMap::new(),
-            orphans: Vec::new(),
             outcomes: unbounded(),
             threads: Vec::new(),
             finished: Finished::default(),
@@ -377,7 +375,6 @@ impl<T: Transport> PullWorker<T> {
             self.poll_notifications();
             self.expire_leases();
             self.send_heartbeats();
-            self.release_orphans();
         }
         std::mem::take(&mut self.finished)
     }
@@ -414,9 +411,6 @@ impl<T: Transport> PullWorker<T> {
             for (x, _) in load.xfers {
                 let _ = self.transport.release(x);
             }
-        }
-        for x in std::mem::take(&mut self.orphans) {
-            let _ = self.transport.release(x);
         }
         for engine in std::mem::take(&mut self.engines).into_values() {
             if let Engine::Ready { ranks, .. } = engine {
