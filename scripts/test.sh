@@ -148,7 +148,7 @@ stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/t
 stage "real vLLM: prefill and decode with KvxferConnector" \
     "$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
 
-stage "real SGLang: prefill, decode and router with the kvxfer backend" \
+stage "real SGLang: prefill, decode, router (kvxfer backend)" \
     "$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
 
 stage "fuzzing: 10 s per target" scripts/fuzz.sh 10
