@@ -406,11 +406,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         par = cfg.parallel_config
         model = cfg.model_config
         groups = None
-        if len(self._groups) > 1:
-            # A hybrid model: only the transfer groups' layers move, each group by its own
-            # block ids; their layers share memory (vLLM's overlay), registered once.
+        if self._groups:
+            # Only the transfer groups' layers move (vLLM rebuilds the others itself).
             moved = {name for g in self._groups for name in g.layers}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
+        if len(self._groups) > 1:
+            # A hybrid model: each group moves by its own block ids; their layers share
+            # memory (vLLM's overlay), registered once.
             names = sorted(kv_caches, key=_layer_key)
             index = {n: i for i, n in enumerate(names)}
             groups = [sorted(index[n] for n in g.layers) for g in self._groups]
