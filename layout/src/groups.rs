@@ -128,14 +128,18 @@ impl LayerGroups {
             });
         }
         let len = spec.region_len();
+        for &base in bases {
+            add(base, len, "region end address")?;
+        }
+        let group = |r: usize| r.checked_div(per_layer).and_then(|l| group_of.get(l));
         let mut order: Vec<usize> = (0..bases.len()).collect();
-        order.sort_unstable_by_key(|&i| bases[i]);
+        order.sort_unstable_by_key(|&i| (bases[i], group(i)));
+        // Runs of regions at one address: vLLM's overlay, one layer of each group at most.
+        // Sorted by group within a run, a group that repeats repeats next to itself.
         for w in order.windows(2) {
             let (a, b) = (w[0], w[1]);
             if bases[a] == bases[b] {
-                // Regions of layers that alias: allowed across groups only.
-                let layer = |r: usize| r.checked_div(per_layer).and_then(|l| group_of.get(l));
-                if layer(a) == layer(b) {
+                if group(a) == group(b) {
                     return Err(LayoutError::Overlap {
                         what: "regions of layers in one KV cache group",
                         first: a,
@@ -262,6 +266,15 @@ mod tests {
             g.check_regions(&s, &[0x1000, 0x1001, 0x1000 + 4 * len, 0x1000 + 6 * len]),
             Err(LayoutError::Overlap { .. })
         ));
+        // Three layers at one address, two of them in one group: refused however ordered.
+        let s3 = spec(CacheKind::PackedKv, 3);
+        let g3 = LayerGroups::new(vec![vec![0, 2], vec![1]], 3).unwrap();
+        assert!(g3.check_regions(&s3, &[0x1000, 0x1000, 0x1000]).is_err());
+        // A region that would end past the address space is refused.
+        assert!(
+            g.check_regions(&s, &[0x1000, 0x1000, u64::MAX - 1, u64::MAX - 1])
+                .is_err()
+        );
         // Bases and layers must match the spec.
         assert!(g.check_regions(&s, &[0x1000; 3]).is_err());
         let three = LayerGroups::new(vec![vec![0, 2], vec![1]], 3).unwrap();

@@ -234,10 +234,13 @@ def window_blocks(ids: list[int], window: int | None, loaded: int, block_size: i
     return ids[-needed:] if needed < len(ids) else ids
 
 
-def trim_tail(groups: list[list[int]] | list[int], drop: int) -> list[list[int]]:
-    """Per-group block ids without each group's last `drop` blocks (flat ids: one group)."""
+def remote_blocks(groups: list[list[int]] | list[int], drop: int) -> list[list[int]]:
+    """A prefill's block ids per group (flat ids: one group) as the decode pairs them: without
+    the null blocks vLLM lists where it freed out-of-window blocks (a stock prefill keeps
+    them: they are never read), and without each group's last `drop` blocks."""
     per_group = [groups] if groups and isinstance(groups[0], int) else groups
-    return [list(g[: len(g) - drop]) if drop else list(g) for g in per_group]  # type: ignore[index]
+    held = [_held(list(g)) for g in per_group]  # type: ignore[arg-type]
+    return [g[: len(g) - drop] if drop else g for g in held]
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -330,12 +333,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             local = self._per_group(blocks.get_unhashed_block_ids_all_groups(), loaded)
         sent = dict(params)
-        drop = -(-prompt_len // self._block_size) - -(-loaded // self._block_size)
-        if drop and sent.get("remote_block_ids"):
+        if sent.get("remote_block_ids"):
             # The prefill's lists end with the last prompt token's block; the decode's with
             # the last loaded token's: both must end at the same block, since each group's
             # local blocks take the tail of its remote ones.
-            sent["remote_block_ids"] = trim_tail(sent["remote_block_ids"], drop)
+            drop = -(-prompt_len // self._block_size) - -(-loaded // self._block_size)
+            sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         try:
             updated = self._sched().after_alloc(
                 request.request_id, json.dumps(sent), local, num_external_tokens

@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvxfer.vllm import CacheGroup, cache_groups, trim_tail, window_blocks
+from kvxfer.vllm import CacheGroup, cache_groups, remote_blocks, window_blocks
 
 BLOCK = 32
 
@@ -77,6 +77,15 @@ def test_a_sliding_window_group_reads_only_its_windows_blocks() -> None:
 
 
 def test_the_prefills_lists_lose_their_last_block_to_end_where_the_decodes_do() -> None:
-    assert trim_tail([[1, 2, 3], [5, 6]], 1) == [[1, 2], [5]]
-    assert trim_tail([1, 2, 3], 1) == [[1, 2]]
-    assert trim_tail([[1, 2]], 0) == [[1, 2]]
+    assert remote_blocks([[1, 2, 3], [5, 6]], 1) == [[1, 2], [5]]
+    assert remote_blocks([1, 2, 3], 1) == [[1, 2]]
+    assert remote_blocks([[1, 2]], 0) == [[1, 2]]
+
+
+def test_a_prefills_null_blocks_are_never_paired() -> None:
+    """A stock prefill clips a sliding-window group to its last blocks, null ones (id 0)
+    included: 95 tokens, window 64 gives [0, b1, b2]. Paired as they are, the decode would
+    read block 0 into the first block of its window; without them the load has one block
+    too few and fails, naming the group."""
+    assert remote_blocks([[4, 5, 6], [0, 8, 9]], 0) == [[4, 5, 6], [8, 9]]
+    assert remote_blocks([[0, 0, 7]], 1) == [[]]
