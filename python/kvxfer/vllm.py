@@ -297,6 +297,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._stop_before_last_token(request)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         try:
@@ -313,6 +315,24 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 e,
             )
             return 0, False
+
+    def _stop_before_last_token(self, request: Request) -> None:
+        """Prefill side, with a sliding-window group: computes every prompt token but the
+        last, which the decode computes (see `_load_end`). vLLM then frees the blocks that no
+        window from the decode's first token on reads; computing the last token too, it
+        would free the first block of that token's window whenever the window starts a
+        block. vLLM's NixlConnector stops short the same way for Mamba state."""
+        params = request.kv_transfer_params
+        ids = request.prompt_token_ids
+        if not self._sliding or params is None or params.get("_kvxfer_stopped_short"):
+            return
+        if ids is None or len(ids) < 2:
+            return
+        del ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvxfer_stopped_short"] = True
 
     def _load_end(self, prompt_len: int) -> int:
         """The prompt tokens a decode loads: all, or with a sliding-window group all but the
@@ -337,7 +357,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # The prefill's lists end with the last prompt token's block; the decode's with
             # the last loaded token's: both must end at the same block, since each group's
             # local blocks take the tail of its remote ones.
-            drop = -(-prompt_len // self._block_size) - -(-loaded // self._block_size)
+            # A prefill of this version computed `loaded` tokens too; one that did not
+            # (vLLM's NixlConnector, older kvxfer) names how many in `remote_num_tokens`, or
+            # computed the whole prompt.
+            computed = int(params.get("remote_num_tokens") or prompt_len)
+            blocks = -(-computed // self._block_size) - -(-loaded // self._block_size)
+            drop = max(0, blocks)
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         try:
             updated = self._sched().after_alloc(
@@ -400,7 +425,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 "request %s: unusable kv_transfer_params at finish (%s)", request.request_id, e
             )
             return False, None
-        return delay, (json.loads(out) if out is not None else None)
+        handed = json.loads(out) if out is not None else None
+        if handed is not None:
+            # The prompt tokens this prefill computed (vLLM's key): the decode's lists of
+            # blocks end where they do.
+            handed["remote_num_tokens"] = int(request.num_computed_tokens)
+        return delay, handed
 
     # ---- worker side (worker process) ----
 
