@@ -107,14 +107,40 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# vLLM keeps an fp8 cache in uint8 tensors: the format is only in `kv_cache_dtype`, and two
+# engines with e4m3 and e5m2 caches have tensors alike. vLLM's "fp8" is e4m3.
+_FP8_CACHES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def cache_dtype(kv_cache_dtype: str, tensor_dtype: torch.dtype) -> str:
+    """The element type of vLLM's KV cache, named by what the bytes mean (the names
+    `kvxfer` compares between engines): the tensors' dtype where `kv_cache_dtype` is "auto",
+    the fp8 format otherwise. Raises ValueError for caches whose bytes carry more than
+    elements (scales per token and head, nvfp4, TurboQuant, DeepSeek's fp8 MLA pages)."""
+    if kv_cache_dtype == "auto":
+        return _dtype_name(tensor_dtype)
+    fp8 = _FP8_CACHES.get(kv_cache_dtype)
+    if fp8 is None or tensor_dtype.itemsize != 1:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} ({_dtype_name(tensor_dtype)} tensors) is not "
+            f"supported: kvxfer moves auto, {', '.join(_FP8_CACHES)} caches"
+        )
+    return fp8
+
+
 def describe_cache(
-    kv_caches: dict[str, torch.Tensor], kv_heads: int, head_size: int, block_size: int
+    kv_caches: dict[str, torch.Tensor],
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """The kvxfer layout of vLLM's KV cache tensors, derived from each tensor's pointer and
     strides (never from an assumed shape): one region per layer, block-major, each block a
     contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD);
     or, when vLLM laid the layers out cross-layer (`VLLM_KV_CACHE_LAYOUT=BLHNC` or `BLNHC`),
-    one region whose every block holds each layer's page in layer order.
+    one region whose every block holds each layer's page in layer order. `kv_cache_dtype`
+    is vLLM's cache config's (see `cache_dtype`).
 
     Raises ValueError naming what does not fit, so an unsupported cache layout fails at
     registration instead of moving the wrong bytes.
@@ -124,6 +150,7 @@ def describe_cache(
     names = sorted(kv_caches, key=_layer_key)
     tensors = [kv_caches[n] for n in names]
     first = tensors[0]
+    dtype = cache_dtype(kv_cache_dtype, first.dtype)
     elt = first.element_size()
     num_blocks = first.shape[0]
     block_len = kv_heads * block_size * 2 * head_size * elt
@@ -163,7 +190,7 @@ def describe_cache(
     return {
         "kind": "cross-layer" if cross_layer else "packed-kv",
         "order": order,
-        "dtype": _dtype_name(first.dtype),
+        "dtype": dtype,
         "num_layers": len(tensors),
         "kv_heads": kv_heads,
         "head_dim": head_size,
@@ -454,6 +481,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             kv_heads=model.get_num_kv_heads(par),
             head_size=model.get_head_size(),
             block_size=cfg.cache_config.block_size,
+            kv_cache_dtype=str(cfg.cache_config.cache_dtype),
         )
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

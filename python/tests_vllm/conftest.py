@@ -167,3 +167,30 @@ def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
         logdir,
     ) as (p, d):
         yield p, d
+
+
+@pytest.fixture(scope="module")
+def fp8_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, ...]]:
+    """An fp8 (e4m3) prefill and decode, and an e5m2 prefill, UCX: vLLM keeps both formats
+    in uint8 tensors, so only the cache config tells them apart."""
+    _usable_or_skip("ucx")
+    logdir = tmp_path_factory.mktemp("vllm-fp8")
+    with running(
+        [
+            Engine(
+                f"{role}-{fmt}",
+                cpus,
+                {"side_channel_port": free_port()},
+                logdir,
+                model=MODEL,
+                opts={"kv_cache_dtype": fmt},
+            )
+            for role, cpus, fmt in [
+                ("prefill", "0", "fp8_e4m3"),
+                ("decode", "1", "fp8_e4m3"),
+                ("prefill", "0", "fp8_e5m2"),
+            ]
+        ],
+        logdir,
+    ) as engines:
+        yield tuple(engines)

@@ -12,8 +12,8 @@ cache: [blocks, kv_heads, block_size, 2 * head_size]); {"op": "metrics", "prefix
 vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"};
 {"op": "quit"}.
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
-`dtype` (float32), `prefix_caching` (false), `max_model_len` (1024), `max_num_seqs` (8), `tp`
-(tensor parallel size, 1).
+`dtype` (float32), `kv_cache_dtype` (auto), `block_size` (32), `prefix_caching` (false),
+`max_model_len` (1024), `max_num_seqs` (8), `tp` (tensor parallel size, 1).
 """
 
 import json
@@ -73,7 +73,8 @@ def main() -> None:
         seed=0,
         max_model_len=int(opts.get("max_model_len", 1024)),
         max_num_seqs=int(opts.get("max_num_seqs", 8)),
-        block_size=32,
+        kv_cache_dtype=opts.get("kv_cache_dtype", "auto"),
+        block_size=int(opts.get("block_size", 32)),
         enforce_eager=True,
         enable_prefix_caching=bool(opts.get("prefix_caching", False)),
         tensor_parallel_size=int(opts.get("tp", 1)),

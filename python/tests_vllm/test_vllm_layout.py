@@ -121,3 +121,30 @@ def test_a_cross_layer_cache_in_another_layer_order_is_refused() -> None:
     swapped = {names[0]: views[names[1]], names[1]: views[names[0]], names[2]: views[names[2]]}
     with pytest.raises(ValueError, match="cross-layer page"):
         describe_cache(swapped, HEADS, HEAD, TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "name"),
+    [("auto", "float32"), ("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")],
+)
+def test_an_fp8_cache_is_named_by_its_format_not_its_uint8_tensors(
+    kv_cache_dtype: str, name: str
+) -> None:
+    views = vllm_views(KVCacheLayout.LBHNC)
+    if kv_cache_dtype != "auto":
+        # vLLM's fp8 caches are uint8 tensors, the layout otherwise the same.
+        views = {n: v.view(torch.uint8).reshape(*v.shape[:-1], -1) for n, v in views.items()}
+        head = HEAD * 4  # a float32 element is 4 fp8 elements
+    else:
+        head = HEAD
+    assert describe_cache(views, HEADS, head, TOKENS, kv_cache_dtype)["dtype"] == name
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_per_token_head", "nvfp4", "turboquant_k8v4"])
+def test_a_cache_whose_bytes_hold_more_than_elements_is_refused_by_name(
+    kv_cache_dtype: str,
+) -> None:
+    views = vllm_views(KVCacheLayout.LBHNC)
+    views = {n: v.view(torch.uint8).reshape(*v.shape[:-1], -1) for n, v in views.items()}
+    with pytest.raises(ValueError, match=f"kv_cache_dtype '{kv_cache_dtype}'.*not supported"):
+        describe_cache(views, HEADS, HEAD * 4, TOKENS, kv_cache_dtype)
