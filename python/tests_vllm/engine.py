@@ -13,7 +13,8 @@ vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"
 {"op": "quit"}.
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
 `dtype` (float32), `kv_cache_dtype` (auto), `block_size` (32), `prefix_caching` (false),
-`max_model_len` (1024), `max_num_seqs` (8), `tp` (tensor parallel size, 1).
+`max_model_len` (1024), `max_num_seqs` (8), `tp` (tensor parallel size, 1), `attention_backend`
+(vLLM's choice).
 """
 
 import json
@@ -78,6 +79,7 @@ def main() -> None:
         enforce_eager=True,
         enable_prefix_caching=bool(opts.get("prefix_caching", False)),
         tensor_parallel_size=int(opts.get("tp", 1)),
+        attention_backend=opts.get("attention_backend"),
         disable_log_stats=False,
         kv_transfer_config=ktc,
     )

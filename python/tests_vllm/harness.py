@@ -18,7 +18,10 @@ MODELS = Path(sys.prefix) / "models"
 MODEL = Path(os.environ.get("KVXFER_TEST_MODEL", str(MODELS / "tiny-llama")))
 # Full and 64-token sliding-window layers alternating (make_model.py's `hybrid` preset).
 HYBRID_MODEL = MODELS / "tiny-hybrid"
+# A DeepSeek-V2 with multi-head latent attention (make_model.py's `mla` preset).
+MLA_MODEL = MODELS / "tiny-mla"
 KVXFER = ("KvxferConnector", "kvxfer.vllm")
+STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 _handed_out: set[int] = set()
 
 

@@ -1,13 +1,15 @@
-"""Writes a small Llama with seeded random weights, so the real-engine tests and the benchmark
+"""Writes a small model with seeded random weights, so the real-engine tests and the benchmark
 run a real model without downloading one. Usage: make_model.py DIR [--preset NAME]
 
 Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token),
 `hybrid` (4 layers alternating full and 64-token sliding-window attention, as Gemma 3 and
 gpt-oss interleave them: vLLM's hybrid KV cache manager gives the two kinds separate KV cache
-groups that share memory), and `llama8b-kv`: Llama-3-8B's KV geometry (32 layers, 8 KV
-heads, head dim 128, bf16: 128 KiB of KV per token, as the real model) with a hidden size of
-256 and 8 query heads, so a CPU prefill costs seconds instead of minutes; the query heads do
-not change the KV cache.
+groups that share memory), `mla` (a DeepSeek-V2: 2 dense layers with multi-head latent
+attention, a 512-wide latent and 64 rotary dims, the sizes vLLM's CPU MLA kernel runs: one
+576-element latent cache entry per token and layer, fp32), and `llama8b-kv`: Llama-3-8B's
+KV geometry (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token, as the real
+model) with a hidden size of 256 and 8 query heads, so a CPU prefill costs seconds instead of
+minutes; the query heads do not change the KV cache.
 """
 
 import argparse
@@ -39,6 +41,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": ["full_attention", "sliding_attention"] * 2,
         "sliding_window": 64,
     },
+    "mla": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "torch_dtype": "float32",
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        # Every layer dense (the first 2): no experts are made.
+        "first_k_dense_replace": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+    },
     "llama8b-kv": {
         "hidden_size": 256,
         "num_attention_heads": 8,
@@ -59,11 +82,7 @@ def main(out: Path, preset: str) -> None:
         int(c["num_attention_heads"]),
         int(c["num_key_value_heads"]),
     )
-    head_dim, layers, ffn = (
-        int(c["head_dim"]),
-        int(c["num_hidden_layers"]),
-        int(c["intermediate_size"]),
-    )
+    layers, ffn = int(c["num_hidden_layers"]), int(c["intermediate_size"])
     dtype = getattr(torch, str(c["torch_dtype"]))
     g = torch.Generator().manual_seed(1234)
 
@@ -77,11 +96,26 @@ def main(out: Path, preset: str) -> None:
     tensors["model.norm.weight"] = ones(hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if "kv_lora_rank" in c:  # MLA: keys and values come out of one latent per token
+            rank, rope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"])
+            nope, v = int(c["qk_nope_head_dim"]), int(c["v_head_dim"])
+            tensors |= {
+                a + "q_proj.weight": w(heads * (nope + rope), hidden),
+                a + "kv_a_proj_with_mqa.weight": w(rank + rope, hidden),
+                a + "kv_a_layernorm.weight": ones(rank),
+                a + "kv_b_proj.weight": w(heads * (nope + v), rank),
+                a + "o_proj.weight": w(hidden, heads * v),
+            }
+        else:
+            head_dim = int(c["head_dim"])
+            tensors |= {
+                a + "q_proj.weight": w(heads * head_dim, hidden),
+                a + "k_proj.weight": w(kv_heads * head_dim, hidden),
+                a + "v_proj.weight": w(kv_heads * head_dim, hidden),
+                a + "o_proj.weight": w(hidden, heads * head_dim),
+            }
         tensors |= {
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
             p + "mlp.gate_proj.weight": w(ffn, hidden),
             p + "mlp.up_proj.weight": w(ffn, hidden),
             p + "mlp.down_proj.weight": w(hidden, ffn),

@@ -49,14 +49,14 @@ def vllm_views(layout: KVCacheLayout) -> dict[str, torch.Tensor]:
     return dict(zip(names, views, strict=True))
 
 
-def worker(role: str, desc: dict[str, Any]) -> kvxfer.PullWorker:
+def worker(role: str, desc: dict[str, Any], heads: int = HEADS) -> kvxfer.PullWorker:
     return kvxfer.PullWorker(
         f"{role}-0",
         "loopback",
         engine_id=role,
         tp_rank=0,
         tp_size=1,
-        total_kv_heads=HEADS,
+        total_kv_heads=heads,
         total_layers=LAYERS,
         side_channel_port=0,
         **desc,
@@ -73,26 +73,17 @@ def finish(w: kvxfer.PullWorker, req: str, side: int) -> list[Any]:
     raise AssertionError(f"{req} never finished")
 
 
-@pytest.mark.parametrize(
-    ("layout", "kind", "order"),
-    [
-        (KVCacheLayout.BLHNC, "cross-layer", "HND"),
-        (KVCacheLayout.BLNHC, "cross-layer", "NHD"),
-        (KVCacheLayout.LBHNC, "packed-kv", "HND"),
-    ],
-)
-def test_vllm_layouts_are_described_and_moved_exactly(
-    layout: KVCacheLayout, kind: str, order: str
+def move_and_check(
+    src: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+    src_desc: dict[str, Any],
+    dst_desc: dict[str, Any],
+    heads: int,
 ) -> None:
-    src, dst = vllm_views(layout), vllm_views(layout)
-    desc = describe_cache(src, HEADS, HEAD, TOKENS)
-    assert (desc["kind"], desc["order"]) == (kind, order)
-    assert len(desc["bases"]) == (1 if kind == "cross-layer" else LAYERS)
-    # Every element distinct across layers, written through vLLM's own views.
-    for layer, v in enumerate(src.values()):
-        v.copy_(torch.arange(v.numel(), dtype=torch.float32).reshape(v.shape) + layer * 1e6)
-    p = worker("P", desc)
-    d = worker("D", describe_cache(dst, HEADS, HEAD, TOKENS))
+    """Moves blocks 4 and 1 of `src` into blocks 0 and 5 of `dst` through a prefill and a
+    decode worker made from the descriptions; checks that exactly those blocks landed."""
+    p = worker("P", src_desc, heads)
+    d = worker("D", dst_desc, heads)
     remote, local = [4, 1], [0, 5]
     port = p.listener_port()
     assert port
@@ -113,6 +104,27 @@ def test_vllm_layouts_are_described_and_moved_exactly(
     finish(p, "r", 0)
     d.shutdown()
     p.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("layout", "kind", "order"),
+    [
+        (KVCacheLayout.BLHNC, "cross-layer", "HND"),
+        (KVCacheLayout.BLNHC, "cross-layer", "NHD"),
+        (KVCacheLayout.LBHNC, "packed-kv", "HND"),
+    ],
+)
+def test_vllm_layouts_are_described_and_moved_exactly(
+    layout: KVCacheLayout, kind: str, order: str
+) -> None:
+    src, dst = vllm_views(layout), vllm_views(layout)
+    desc = describe_cache(src, HEADS, HEAD, TOKENS)
+    assert (desc["kind"], desc["order"]) == (kind, order)
+    assert len(desc["bases"]) == (1 if kind == "cross-layer" else LAYERS)
+    # Every element distinct across layers, written through vLLM's own views.
+    for layer, v in enumerate(src.values()):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).reshape(v.shape) + layer * 1e6)
+    move_and_check(src, dst, desc, describe_cache(dst, HEADS, HEAD, TOKENS), HEADS)
 
 
 def test_a_cross_layer_cache_in_another_layer_order_is_refused() -> None:
@@ -148,3 +160,29 @@ def test_a_cache_whose_bytes_hold_more_than_elements_is_refused_by_name(
     views = {n: v.view(torch.uint8).reshape(*v.shape[:-1], -1) for n, v in views.items()}
     with pytest.raises(ValueError, match=f"kv_cache_dtype '{kv_cache_dtype}'.*not supported"):
         describe_cache(views, HEADS, HEAD * 4, TOKENS, kv_cache_dtype)
+
+
+def mla_views(shape_of_block: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Per-layer MLA caches as vLLM allocates them: `[blocks, *shape_of_block]`."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, *shape_of_block)
+        for i in range(LAYERS)
+    }
+
+
+@pytest.mark.parametrize("block", [(TOKENS, 576), (1, TOKENS, 576)])
+def test_an_mla_cache_is_one_latent_region_per_layer(block: tuple[int, ...]) -> None:
+    """vLLM's GPU MLA backends allocate `[blocks, tokens, latent]`, its CPU one with a head
+    dimension of 1 between: both are the same bytes."""
+    src, dst = mla_views(block), mla_views(block)
+    desc = describe_cache(src, 1, 576, TOKENS, mla=True)
+    assert (desc["kind"], desc["kv_heads"], desc["head_dim"]) == ("mla", 1, 576)
+    assert desc["bases"] == [v.data_ptr() for v in src.values()]
+    for layer, v in enumerate(src.values()):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).reshape(v.shape) + layer * 1e6)
+    move_and_check(src, dst, desc, describe_cache(dst, 1, 576, TOKENS, mla=True), 1)
+
+
+def test_an_mla_cache_of_another_latent_width_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected an MLA cache"):
+        describe_cache(mla_views((TOKENS, 512)), 1, 576, TOKENS, mla=True)

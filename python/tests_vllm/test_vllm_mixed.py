@@ -23,11 +23,10 @@ from flows import (
     prefill,
     prompt,
 )
-from harness import MODEL, Engine, free_port, start
+from harness import MODEL, STOCK, Engine, free_port, start
 
 import kvxfer
 
-STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 # Longer than the time from a prefill to its decode's first heartbeat (the decode's ask, a
 # first connection), short enough that a lease run out shows within the test (one wait, in
 # test_only_the_unread_requests_leases_expire).
