@@ -61,7 +61,8 @@ def bundled_library() -> str | None:
     return None
 
 
-def _skip_ib_modules() -> None:
+def skip_ib_modules() -> None:
+    """Sets ``UCX_MODULES`` to skip InfiniBand where this machine has no RDMA device."""
     # A bundled UCX loads its own InfiniBand modules; on a machine without RDMA devices they
     # are useless, and next to the system's rdma-core they crash the process at exit.
     ib = Path("/sys/class/infiniband")
@@ -98,5 +99,5 @@ def select(setting: str = "auto") -> str | None:
         chosen = setting
     if chosen is not None:
         os.environ[ENV] = chosen
-        _skip_ib_modules()
+        skip_ib_modules()
     return chosen

@@ -19,7 +19,9 @@ prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d``
 finish before it returns, so that an engine waiting only for transfers does not step
 back-to-back; a request arriving meanwhile waits as long; 0 turns it off, at most 1),
 ``ucx_library`` (``auto``: the UCX a NIXL wheel bundles when one is installed, else the
-system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`), ``vllm_peers`` (true:
+system's; or ``system``, ``nixl``, a path; see :mod:`kvxfer.ucx`; with ``transport: nixl``
+the NIXL runtime is ``KVXFER_NIXL_LIBRARY`` when set, else the NIXL wheel vLLM installed,
+else the system's: see :mod:`kvxfer.nixl`), ``vllm_peers`` (true:
 also speak vLLM 0.32.0's NixlConnector handshake, so that stock vLLM engines running
 ``NixlConnector`` pull from this prefill and this decode pulls from them; serving them needs
 ``transport: nixl``), ``enforce_handshake_compat`` (true: refuse stock peers whose
@@ -58,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 import kvxfer
+import kvxfer.nixl
 import kvxfer.ucx
 from kvxfer.vllm_compat import compat_json
 from kvxfer.vllm_stats import KvxferPromMetrics, KvxferStats
@@ -557,6 +560,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if transport == "ucx":
             library = kvxfer.ucx.select(str(e.get("ucx_library", "auto")))
             log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
+        elif transport == "nixl":
+            log.info("kvxfer: NIXL runtime %s (%s)", *kvxfer.nixl.select())
         self._worker = kvxfer.PullWorker(
             f"{self._engine_id}-{tp_rank}",
             transport,

@@ -17,7 +17,10 @@ def _usable_or_skip(transport: str, model: Path = MODEL) -> None:
     if not Path(model, "config.json").exists():
         pytest.skip(f"no test model at {model}: run scripts/vllm-env.sh")
     import kvxfer
+    import kvxfer.nixl
 
+    if transport == "nixl":
+        kvxfer.nixl.select()
     try:
         kvxfer.Agent(f"probe-{os.getpid()}", transport).shutdown()
     except kvxfer.NotAvailableError as e:
@@ -141,9 +144,12 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engin
 
 
 @pytest.fixture(scope="module")
-def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+def hybrid_engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Engine, Engine, Engine]]:
     """A prefill and a decode of a hybrid model (full and sliding-window layers: two KV cache
-    groups sharing memory), UCX; the decode recomputes what it could not load."""
+    groups sharing memory), UCX, and an engine running vLLM's own NixlConnector; the decodes
+    recompute what they could not load."""
     _usable_or_skip("ucx", HYBRID_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-hybrid")
     with running(
@@ -163,10 +169,20 @@ def hybrid_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
                 model=HYBRID_MODEL,
                 transfer_config={"kv_load_failure_policy": "recompute"},
             ),
+            Engine(
+                "stock-hybrid",
+                "0",
+                {},
+                logdir,
+                model=HYBRID_MODEL,
+                connector=STOCK,
+                transfer_config={"kv_load_failure_policy": "recompute"},
+                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            ),
         ],
         logdir,
-    ) as (p, d):
-        yield p, d
+    ) as (p, d, s):
+        yield p, d, s
 
 
 @pytest.fixture(scope="module")

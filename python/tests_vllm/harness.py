@@ -88,7 +88,11 @@ class Engine:
             "kv_connector_extra_config": extra,
             **(transfer_config or {}),
         }
-        full_env = dict(os.environ)
+        # An operator's vLLM environment: kvxfer finds the NIXL wheel vLLM installed itself
+        # (kvxfer.nixl), with no loader path or plugin directory pointing at one.
+        full_env = {
+            k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR")
+        }
         full_env.update(
             {
                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(callable)

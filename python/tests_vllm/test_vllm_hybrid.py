@@ -22,9 +22,9 @@ def full_blocks(ids: list[int], prompt_len: int) -> list[int]:
 
 
 def test_every_group_arrives_byte_identical_below_and_above_the_window(
-    hybrid_engines: tuple[Engine, Engine],
+    hybrid_engines: tuple[Engine, Engine, Engine],
 ) -> None:
-    p, d = hybrid_engines
+    p, d, _ = hybrid_engines
     lengths = [40, 100, 150, 257]  # the first fits the window; none ends where it slides off
     xs = [prompt(40 + i, n) for i, n in enumerate(lengths)]
     params = prefill(p, xs)
@@ -55,8 +55,10 @@ def test_every_group_arrives_byte_identical_below_and_above_the_window(
         assert_same_output(r, q)
 
 
-def test_kv_of_another_prompt_changes_the_output(hybrid_engines: tuple[Engine, Engine]) -> None:
-    p, d = hybrid_engines
+def test_kv_of_another_prompt_changes_the_output(
+    hybrid_engines: tuple[Engine, Engine, Engine],
+) -> None:
+    p, d, _ = hybrid_engines
     x, y = prompt(50, 150), prompt(51, 150)
     (params_y,) = prefill(p, [y])
     (wrong,) = decode(d, [x], [params_y])
@@ -65,7 +67,7 @@ def test_kv_of_another_prompt_changes_the_output(hybrid_engines: tuple[Engine, E
 
 
 def test_a_window_starting_on_a_block_the_prefill_would_free_loads_whole(
-    hybrid_engines: tuple[Engine, Engine],
+    hybrid_engines: tuple[Engine, Engine, Engine],
 ) -> None:
     """A 95-token prompt: the decode computes token 94, whose window starts at token 31,
     the last of block 0. A prefill that computed all 95 tokens frees tokens up to 31 (its
@@ -73,7 +75,7 @@ def test_a_window_starting_on_a_block_the_prefill_would_free_loads_whole(
     held: every block moves and nothing is recomputed. (Loading all 95 tokens, vLLM's
     decode freed block 0 itself and token 94 attended to its null block: logprobs off by
     0.005.)"""
-    p, d = hybrid_engines
+    p, d, _ = hybrid_engines
     x = prompt(60, 95)
     (params,) = prefill(p, [x])
     assert len(params["remote_block_ids"][1]) == 3, params
@@ -85,3 +87,27 @@ def test_a_window_starting_on_a_block_the_prefill_would_free_loads_whole(
     assert_same_output(out, local)
     after = kvxfer_metrics(d)
     assert after.get("vllm:kvxfer_failed_setups", 0) == before.get("vllm:kvxfer_failed_setups", 0)
+
+
+def test_a_stock_peer_is_refused_by_name_and_the_prompt_computed_both_ways(
+    hybrid_engines: tuple[Engine, Engine, Engine],
+) -> None:
+    """kvxfer pairs hybrid models with kvxfer peers only: between a kvxfer engine and one
+    running vLLM's own NixlConnector, each direction fails the load (the reason named on the
+    kvxfer side) and the decode computes the prompt itself, never from the other's KV."""
+    p, d, stock = hybrid_engines
+    x = prompt(61, 150)
+    # A stock prefill's params at a kvxfer decode.
+    external = d.call({"op": "external_tokens"})
+    (out,) = decode(d, [x], prefill(stock, [x]))
+    assert d.call({"op": "external_tokens"}) == external, "a stock prefill's KV was loaded"
+    (local,) = decode(d, [x], [None])
+    assert_same_output(out, local)
+    failures = [line for line in d.log_text().splitlines() if "kvxfer: load of" in line]
+    assert failures and "is a stock vLLM prefill" in failures[-1], failures
+    # A kvxfer prefill's params at a stock decode.
+    external = stock.call({"op": "external_tokens"})
+    (out,) = decode(stock, [x], prefill(p, [x]), timeout=180)
+    assert stock.call({"op": "external_tokens"}) == external, "a kvxfer prefill's KV was loaded"
+    (local,) = decode(stock, [x], [None])
+    assert_same_output(out, local)

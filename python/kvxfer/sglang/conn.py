@@ -56,6 +56,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
 import kvxfer
+import kvxfer.nixl
 import kvxfer.ucx
 from kvxfer.sglang.layout import UnsupportedLayout, describe, flat_indices, state_indices
 
@@ -78,6 +79,8 @@ def _transport() -> str:
     if transport == "ucx":
         library = kvxfer.ucx.select("auto")
         log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
+    else:
+        log.info("kvxfer: NIXL runtime %s (%s)", *kvxfer.nixl.select())
     return transport
 
 

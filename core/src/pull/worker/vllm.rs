@@ -113,8 +113,9 @@ pub(super) fn stock_handshake(
 ) -> Result<Vec<(u32, Fetched)>, String> {
     let Some(compat) = at.compat else {
         return Err(format!(
-            "{} is a stock vLLM prefill, and this worker has no vLLM compatibility factors to check its \
-             hash against (kvxfer speaks vLLM's handshake inside vLLM)",
+            "{} is a stock vLLM prefill, and stock vLLM peers are disabled on this worker (no \
+             vLLM compatibility factors to check its hash against: the worker's start-up log \
+             says why, e.g. a hybrid model; outside vLLM kvxfer pairs with kvxfer peers only)",
             at.engine_id
         ));
     };
