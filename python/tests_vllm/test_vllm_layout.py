@@ -186,3 +186,21 @@ def test_an_mla_cache_is_one_latent_region_per_layer(block: tuple[int, ...]) -> 
 def test_an_mla_cache_of_another_latent_width_is_refused() -> None:
     with pytest.raises(ValueError, match="expected an MLA cache"):
         describe_cache(mla_views((TOKENS, 512)), 1, 576, TOKENS, mla=True)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda: torch.zeros(BLOCKS, 576, TOKENS).transpose(1, 2),  # latents across tokens
+        lambda: torch.zeros(BLOCKS, TOKENS + 1, 576)[:, :TOKENS],  # blocks with a gap after
+    ],
+)
+def test_an_mla_cache_whose_blocks_are_not_back_to_back_latents_is_refused(view: Any) -> None:
+    views = {f"model.layers.{i}.self_attn.attn": view() for i in range(LAYERS)}
+    with pytest.raises(ValueError, match="contiguous"):
+        describe_cache(views, 1, 576, TOKENS, mla=True)
+
+
+def test_an_fp8_setting_over_wider_tensors_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' \\(float32 tensors\\)"):
+        describe_cache(vllm_views(KVCacheLayout.LBHNC), HEADS, HEAD, TOKENS, "fp8")
