@@ -36,7 +36,6 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-import requests
 from aiohttp import web
 from sglang.srt.disaggregation.base.conn import (
     BaseKVReceiver,
@@ -58,6 +57,7 @@ from sglang.srt.utils.network import NetworkAddress
 import kvxfer
 import kvxfer.nixl
 import kvxfer.ucx
+from kvxfer.sglang import bootstrap
 from kvxfer.sglang.layout import UnsupportedLayout, describe, flat_indices, state_indices
 
 log = logging.getLogger(__name__)
@@ -129,15 +129,17 @@ def _model_config(server_args: ServerArgs) -> Any:
 
 def _ask_registry(url: str, deadline: float) -> tuple[str, int]:
     """The push registry's port from a kvxfer bootstrap server at `url`, retried until
-    `deadline` (monotonic) while the server is not up yet."""
-    host = url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+    `deadline` (monotonic) while the server is not up yet. Each try is bounded in time and
+    size and its reply checked (`kvxfer.sglang.bootstrap`)."""
+    host, _, port = url.split("//", 1)[1].rpartition(":")
+    host = host.strip("[]")
     while True:
         try:
-            r = requests.get(f"{url}{REGISTRY_ROUTE}", timeout=5)
-            if r.status_code == 200:
-                return host, int(r.json()["port"])
-            reason = f"HTTP {r.status_code}: {r.text[:200]}"
-        except (requests.RequestException, ValueError, KeyError) as e:
+            status, body = bootstrap.get(host, int(port), REGISTRY_ROUTE)
+            if status == 200:
+                return host, bootstrap.parse_reply(body)
+            reason = f"HTTP {status}: {body[:200]!r}"
+        except (OSError, ValueError) as e:
             reason = str(e)
         if time.monotonic() >= deadline:
             raise RuntimeError(
