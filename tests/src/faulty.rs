@@ -8,11 +8,13 @@
 //! released, exactly as a transfer that failed inside the transport looks to its caller. It
 //! is consumed before the wrapped transport sees the post, so it also stands in for a post
 //! the transport would have refused; the failure cases of the suites only post valid
-//! transfers.
+//! transfers. A failure can also be armed a few posts ahead, and as a refused post (an
+//! error from the post itself). Completions can be held back: the wrapped transport's
+//! transfers report `InProgress` until released, whatever happened to them, so a suite
+//! shows that nothing is reported (or handed back to an engine) before its transfers end.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::conformance::TransportFactory;
 use kvxfer_core::{
@@ -23,21 +25,78 @@ use kvxfer_core::{
 /// What the injected failures report.
 pub const INJECTED: &str = "injected failure (kvxfer-tests Faulty)";
 
+/// What an injected post refusal returns.
+pub const REFUSED: &str = "injected post refusal (kvxfer-tests Faulty)";
+
+/// What is armed.
+#[derive(Debug, Default)]
+struct Armed {
+    /// Posts that go through before the armed failures apply.
+    skip: usize,
+    /// Posts that fail, after `skip`.
+    fail: usize,
+    /// Failing posts return an error instead of a transfer that reports `Failed`.
+    refuse: bool,
+    /// Every forwarded transfer reports `InProgress`, whatever the wrapped transport says.
+    hold: bool,
+}
+
+/// How one post goes.
+enum Injection {
+    Forward,
+    Fail,
+    Refuse,
+}
+
 /// The switch of one [`Faulty`] transport; clone it to arm failures from anywhere.
 #[derive(Debug, Clone, Default)]
-pub struct FaultSwitch(Arc<AtomicUsize>);
+pub struct FaultSwitch(Arc<Mutex<Armed>>);
 
 impl FaultSwitch {
-    /// The next `n` transfers posted through the transport fail without being posted.
-    pub fn fail_next_transfers(&self, n: usize) {
-        self.0.store(n, Ordering::SeqCst);
+    fn armed(&self) -> MutexGuard<'_, Armed> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Consumes one armed failure, if any.
-    fn take(&self) -> bool {
-        self.0
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
+    /// The next `n` transfers posted through the transport fail without being posted.
+    pub fn fail_next_transfers(&self, n: usize) {
+        self.fail_after(0, n, false);
+    }
+
+    /// After `skip` more posts go through, the next `n` fail without being posted: the post
+    /// returns an error (`refuse`, as a transport refusing it) or a transfer that reports
+    /// `Failed`.
+    pub fn fail_after(&self, skip: usize, n: usize, refuse: bool) {
+        let mut a = self.armed();
+        (a.skip, a.fail, a.refuse) = (skip, n, refuse);
+    }
+
+    /// While on, every transfer the wrapped transport carries reports `InProgress`, however
+    /// it ended: completions held back, as a slow network holds them; off, each reports its
+    /// true status again.
+    pub fn hold_completions(&self, on: bool) {
+        self.armed().hold = on;
+    }
+
+    fn held(&self) -> bool {
+        self.armed().hold
+    }
+
+    /// Consumes one post's share of what is armed.
+    fn take(&self) -> Injection {
+        let mut a = self.armed();
+        if a.skip > 0 {
+            a.skip -= 1;
+            return Injection::Forward;
+        }
+        if a.fail == 0 {
+            return Injection::Forward;
+        }
+        a.fail -= 1;
+        if a.refuse {
+            Injection::Refuse
+        } else {
+            Injection::Fail
+        }
     }
 }
 
@@ -74,6 +133,11 @@ impl<T: Transport> Faulty<T> {
         self.switch.clone()
     }
 
+    /// Transfers posted through the decorator and not released yet.
+    pub fn in_flight(&self) -> usize {
+        self.xfers.len()
+    }
+
     /// The wrapped transport.
     pub fn inner(&self) -> &T {
         &self.inner
@@ -98,10 +162,10 @@ impl<T: Transport> Faulty<T> {
         &mut self,
         post: impl FnOnce(&mut T) -> TransportResult<XferId>,
     ) -> TransportResult<XferId> {
-        let posted = if self.switch.take() {
-            Posted::Injected
-        } else {
-            Posted::Inner(post(&mut self.inner)?)
+        let posted = match self.switch.take() {
+            Injection::Forward => Posted::Inner(post(&mut self.inner)?),
+            Injection::Fail => Posted::Injected,
+            Injection::Refuse => return Err(TransportError::Backend(REFUSED.into())),
         };
         Ok(self.track(posted))
     }
@@ -179,7 +243,14 @@ impl<T: Transport> Transport for Faulty<T> {
 
     fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
         match self.lookup(xfer)? {
-            Posted::Inner(x) => self.inner.status(x).map_err(|e| outer(e, xfer)),
+            Posted::Inner(x) => {
+                let status = self.inner.status(x).map_err(|e| outer(e, xfer))?;
+                Ok(if self.switch.held() {
+                    XferStatus::InProgress
+                } else {
+                    status
+                })
+            }
             Posted::Injected => Ok(XferStatus::Failed(INJECTED.into())),
         }
     }

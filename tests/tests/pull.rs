@@ -745,66 +745,6 @@ fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
     drop(memory);
 }
 
-/// A setup that fails part-way (the READ from prefill rank 0 posted, the one from rank 1
-/// refused) is reported failed, with all its blocks, only once the posted READ can no longer
-/// land: while its completion is held the load stays unreported and the READ in flight;
-/// once it completes the failure is reported and the READ released. Guard bytes show what
-/// landed was the READ's, before the report.
-#[test]
-fn a_failed_setup_is_reported_only_after_its_posted_reads_ended() {
-    let model = Model::small(BlockOrder::Hnd, 4);
-    let c = clock();
-    let mut pre = engine("orphan-P", &model, 2, true, Arc::clone(&c), &lb, &no_tune);
-    let mut dec = engine("orphan-D", &model, 1, false, c, &lb, &no_tune);
-    let faults = dec.workers[0].transport().faults();
-    faults.hold_completions(true);
-    faults.refuse_post_after(1);
-    let params = pre.finish_prefill("r", &[1, 2]);
-    dec.start_load("r", &params, &[5, 6], 8);
-    let posted = |dec: &kvxfer_tests::pull_env::Engine<LoopbackTransport>| {
-        let (.., xfers, _) = dec.workers[0].transport().resource_counts();
-        xfers
-    };
-    let unreported = |f: &[kvxfer_core::pull::Finished]| {
-        assert!(
-            f[0].failed.is_empty() && f[0].recving.is_empty(),
-            "reported while a READ may still land: {f:?}"
-        );
-    };
-    // The handshake first, then the READ to rank 0 is posted and the one to rank 1 refused.
-    let start = std::time::Instant::now();
-    while posted(&dec) == 0 {
-        unreported(&dec.poll());
-        assert!(start.elapsed().as_secs() < 60, "no READ posted");
-        std::thread::yield_now();
-    }
-    for _ in 0..20 {
-        unreported(&dec.poll());
-        assert_eq!(
-            posted(&dec),
-            1,
-            "the posted READ was released while in flight"
-        );
-    }
-    faults.release_held();
-    let failed = first_failure(&mut dec);
-    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
-    assert!(
-        failed[0].reason.contains("injected post refusal"),
-        "{}",
-        failed[0].reason
-    );
-    assert_eq!(
-        dec.workers[0].transport().resource_counts().2,
-        0,
-        "the completed READ was not released"
-    );
-    // Only rank 0's heads of blocks 5 and 6 were written (its READ); nothing after.
-    dec.caches[0]
-        .verify_except(&[], &[5, 6])
-        .expect("nothing outside the load's blocks");
-}
-
 /// Dropping a worker ends its handshake threads before the drop returns: none outlives the
 /// worker, not even one waiting on a prefill that accepted the connection and never answers.
 #[test]

@@ -20,7 +20,8 @@ macro_rules! pull_scenarios {
             failure_policy_reaches_the_report,
             loads_never_block_on_a_slow_handshake, lease_expiry_frees_held_blocks,
             compat_enforcement_can_be_disabled, setup_failure_returns_invalid_blocks,
-            per_layer_windows_move_only_the_last_blocks, hybrid_groups_move_each_groups_blocks);
+            per_layer_windows_move_only_the_last_blocks, hybrid_groups_move_each_groups_blocks,
+            a_failed_setup_is_reported_only_after_its_posted_reads_ended);
     };
 }
 

@@ -1,19 +1,21 @@
 //! Pull-connector scenarios, generic over the transport: each moves real bytes (verified
 //! against the prefill's identity-filled cache) or checks a failure path, and each can fail.
 //! Run on the loopback by `tests/pull.rs` (and by `tests/pull_prepared.rs` on loopback agents
-//! that prefer prepared lists) and on NIXL by `tests/nixl.rs`. Scenarios that
-//! need injected faults (held completions, failing posts, a vanishing peer) stay with the
-//! loopback, which is the transport that can inject them.
+//! that prefer prepared lists), on UCX by `tests/ucx.rs` and on NIXL by `tests/nixl.rs`.
+//! Held completions and failing posts come from the [`Faulty`] decorator, over any
+//! transport; scenarios that need a vanishing peer stay with the loopback.
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::Transport;
 use kvxfer_core::clock::{Clock, ManualClock, SystemClock};
-use kvxfer_core::pull::{FailedLoad, FinishedAggregator, LocalAggregator, PullConfig};
+use kvxfer_core::pull::{FailedLoad, Finished, FinishedAggregator, LocalAggregator, PullConfig};
 use kvxfer_layout::{BlockOrder, Dtype};
 
 use crate::conformance::TransportFactory;
+use crate::faulty::{Faulty, REFUSED};
 use crate::pull_env::{Engine, Model, engine, poll_until};
 
 /// The factory as the maker `engine` takes.
@@ -487,6 +489,64 @@ pub fn setup_failure_returns_invalid_blocks<F: TransportFactory>(f: &F) {
     assert_eq!(failed[0].invalid_blocks, vec![3, 999]);
     assert_eq!(dec.workers[0].take_metrics().failed_setups, 1);
     dec.caches[0].verify(&[]).expect("nothing written");
+}
+
+/// A load whose setup fails part-way (the READ to the second prefill rank refused after the
+/// one to the first was posted) is reported failed only once the READ it posted ended: with
+/// that READ's completion held back (the [`Faulty`] decorator), the load stays unreported
+/// and its READ unreleased however often the engine polls; released, the load fails with
+/// all its blocks, and no byte lands outside them.
+pub fn a_failed_setup_is_reported_only_after_its_posted_reads_ended<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let faulty = |name: &str| Faulty::new(f.create(name));
+    let mut pre = engine(
+        "fence-P",
+        &model,
+        2,
+        true,
+        Arc::clone(&c),
+        &faulty,
+        &no_tune,
+    );
+    let mut dec = engine("fence-D", &model, 1, false, c, &faulty, &no_tune);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    faults.fail_after(1, 1, true);
+    let params = pre.finish_prefill("r", &[1, 2]);
+    dec.start_load("r", &params, &[5, 6], 8);
+    let unreported = |f: &[Finished]| {
+        assert!(
+            f.iter()
+                .all(|f| f.failed.is_empty() && f.recving.is_empty()),
+            "reported while a READ may still land: {f:?}"
+        );
+    };
+    let start = Instant::now();
+    while dec.workers[0].transport().in_flight() == 0 {
+        unreported(&dec.poll());
+        pre.poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "no READ posted");
+        std::thread::yield_now();
+    }
+    for _ in 0..50 {
+        unreported(&dec.poll());
+        pre.poll();
+        let posted = dec.workers[0].transport().in_flight();
+        assert_eq!(posted, 1, "the posted READ was released while in flight");
+    }
+    faults.hold_completions(false);
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
+    assert!(failed[0].reason.contains(REFUSED), "{}", failed[0].reason);
+    assert_eq!(
+        dec.workers[0].transport().in_flight(),
+        0,
+        "the READ was not released"
+    );
+    dec.caches[0]
+        .verify_except(&[], &[5, 6])
+        .expect("nothing outside the load's blocks");
 }
 
 /// Sliding-window layers read only the blocks in their window.
