@@ -72,3 +72,15 @@ def assert_blocks_arrived(
 
 def kvxfer_metrics(e: Engine) -> dict[str, float]:
     return e.call({"op": "metrics", "prefix": "vllm:kvxfer_"})
+
+
+def assert_kv_of_another_prompt_changes_the_output(
+    p: Engine, d: Engine, seed: int, length: int
+) -> None:
+    """The negative control: a decode given the KV of another prompt (seed + 1) generates
+    otherwise than computing its own prompt (seed), so the KV it pulls is what it uses."""
+    x, y = prompt(seed, length), prompt(seed + 1, length)
+    (params_y,) = prefill(p, [y])
+    (wrong,) = decode(d, [x], [params_y])
+    (local,) = decode(d, [x], [None])
+    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV it pulled"

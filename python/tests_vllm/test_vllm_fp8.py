@@ -5,6 +5,7 @@ look like an e4m3 one's, is refused by its format."""
 from flows import (
     BLOCK,
     assert_blocks_arrived,
+    assert_kv_of_another_prompt_changes_the_output,
     assert_same_output,
     block_ids,
     decode,
@@ -42,11 +43,7 @@ def test_fp8_blocks_arrive_byte_identical_and_output_equals_a_local_run(
 
 def test_fp8_kv_of_another_prompt_changes_the_output(fp8_engines: tuple[Engine, ...]) -> None:
     p, d, _ = fp8_engines
-    x, y = prompt(80, 96), prompt(81, 96)
-    (params_y,) = prefill(p, [y])
-    (wrong,) = decode(d, [x], [params_y])
-    (local,) = decode(d, [x], [None])
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV it pulled"
+    assert_kv_of_another_prompt_changes_the_output(p, d, 80, 96)
 
 
 def test_an_e5m2_prefill_is_refused_by_an_e4m3_decode_naming_both(

@@ -5,6 +5,7 @@ produces computing the prompt itself."""
 from flows import (
     BLOCK,
     assert_blocks_arrived,
+    assert_kv_of_another_prompt_changes_the_output,
     assert_same_output,
     block_ids,
     decode,
@@ -44,11 +45,7 @@ def test_blocks_arrive_byte_identical_and_output_equals_a_local_run(
 
 def test_kv_of_another_prompt_changes_the_output(engines: tuple[Engine, Engine]) -> None:
     p, d = engines
-    x, y = prompt(2, 96), prompt(3, 96)
-    (params_y,) = prefill(p, [y])
-    (wrong,) = decode(d, [x], [params_y])
-    (local,) = decode(d, [x], [None])
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV it pulled"
+    assert_kv_of_another_prompt_changes_the_output(p, d, 2, 96)
 
 
 def test_concurrent_requests_of_several_lengths(engines: tuple[Engine, Engine]) -> None:
