@@ -134,12 +134,22 @@ pub fn check_compatible(
     }
     field(&mut out, "dtype", l.dtype(), r.dtype());
     field(&mut out, "head dim", l.head_dim(), r.head_dim());
-    field(
-        &mut out,
-        "tokens per block",
-        l.tokens_per_block(),
-        r.tokens_per_block(),
-    );
+    // Blocks of different sizes pair when the smaller divides the larger (plans then map
+    // token ranges: `plan_token_transfer`).
+    if l.tokens_per_block() != r.tokens_per_block() {
+        let why = if crate::shared_unit(l.tokens_per_block(), r.tokens_per_block()).is_err() {
+            Some("the smaller must divide the larger")
+        } else {
+            crate::whole_blocks_only(l.kind()).or(crate::whole_blocks_only(r.kind()))
+        };
+        if let Some(why) = why {
+            out.push(Mismatch::Field {
+                field: "tokens per block",
+                local: format!("{} ({why})", l.tokens_per_block()),
+                remote: r.tokens_per_block().to_string(),
+            });
+        }
+    }
     field(
         &mut out,
         "total layers",
@@ -170,6 +180,20 @@ mod tests {
         .unwrap()
     }
 
+    fn packed(tokens: u32) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: CacheKind::PackedKv,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::Bf16,
+            num_layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            tokens_per_block: tokens,
+            num_blocks: 100,
+        })
+        .unwrap()
+    }
+
     #[test]
     fn compatible_hetero_tp() {
         let (a, b) = (spec(8, Dtype::Bf16, 16), spec(4, Dtype::Bf16, 16));
@@ -189,8 +213,39 @@ mod tests {
     }
 
     #[test]
+    fn block_sizes_pair_when_one_divides_the_other() {
+        for (l, r, ok) in [
+            (16, 32, true),
+            (64, 16, true),
+            (16, 16, true),
+            (16, 24, false),
+        ] {
+            let (a, b) = (spec(8, Dtype::Bf16, l), spec(8, Dtype::Bf16, r));
+            let side = |spec| SideLayout {
+                spec,
+                tp_size: 1,
+                total_kv_heads: 8,
+                total_layers: 32,
+            };
+            assert_eq!(
+                check_compatible(&side(&a), &side(&b)).is_ok(),
+                ok,
+                "{l} and {r}"
+            );
+            // vLLM's CPU cache (packed K/V) moves whole blocks only.
+            let (pa, pb) = (packed(l), packed(r));
+            let packed_ok = check_compatible(&side(&pa), &side(&pb));
+            assert_eq!(packed_ok.is_ok(), l == r, "packed {l} and {r}");
+            if l != r && ok {
+                let text = packed_ok.unwrap_err()[0].to_string();
+                assert!(text.contains("not addressable by token"), "{text}");
+            }
+        }
+    }
+
+    #[test]
     fn lists_every_mismatch() {
-        let (a, b) = (spec(8, Dtype::Bf16, 16), spec(3, Dtype::F16, 32));
+        let (a, b) = (spec(8, Dtype::Bf16, 16), spec(3, Dtype::F16, 24));
         let local = SideLayout {
             spec: &a,
             tp_size: 1,
@@ -211,8 +266,9 @@ mod tests {
             "{text:?}"
         );
         assert!(
-            text.iter()
-                .any(|t| t.starts_with("tokens per block: local 16, remote 32")),
+            text.iter().any(|t| t.starts_with(
+                "tokens per block: local 16 (the smaller must divide the larger), remote 24"
+            )),
             "{text:?}"
         );
         assert!(

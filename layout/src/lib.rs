@@ -24,6 +24,7 @@ mod ids;
 mod plan;
 mod pp;
 mod spec;
+mod token_plan;
 mod tp;
 
 pub use coalesce::{Descriptor, IndexRun, coalesce, group_contiguous, push_merging};
@@ -40,5 +41,8 @@ pub use pp::{LayerRange, PpSplit};
 pub use spec::{
     BlockOrder, ByteRange, CacheKind, CacheParams, CacheSpec, MAX_DIM, Part, PartLocation,
     StridedBytes,
+};
+pub use token_plan::{
+    TokenPairs, plan_token_transfer, plan_token_transfer_into, shared_unit, whole_blocks_only,
 };
 pub use tp::{HeadRange, HeadSharding, HeadSlice, LinkKind, Side, TpLink, TpMapping};

@@ -113,7 +113,7 @@ impl<'a> CacheSide<'a> {
     }
 
     /// Absolute address of `part` of a global layer's block 0.
-    fn part_base(&self, global_layer: u32, part: Part) -> Result<u64> {
+    pub(crate) fn part_base(&self, global_layer: u32, part: Part) -> Result<u64> {
         let layer = global_layer
             .checked_sub(self.layers.first)
             .ok_or(LayoutError::OutOfRange {
@@ -253,7 +253,7 @@ impl TransferPlan {
         self.iter().collect()
     }
 
-    fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.src.clear();
         self.dst.clear();
         self.lens = Lens::Uniform(0);
@@ -261,7 +261,7 @@ impl TransferPlan {
         self.total_bytes = 0;
     }
 
-    fn reserve(&mut self, n: usize) {
+    pub(crate) fn reserve(&mut self, n: usize) {
         self.src.reserve(n);
         self.dst.reserve(n);
     }
@@ -317,7 +317,7 @@ impl TransferPlan {
         }
     }
 
-    fn replace(&mut self, descs: &[Descriptor]) {
+    pub(crate) fn replace(&mut self, descs: &[Descriptor]) {
         let (raw, bytes) = (self.raw_count, self.total_bytes);
         self.clear();
         self.reserve(descs.len());
@@ -331,7 +331,7 @@ impl TransferPlan {
 
 /// How one head slice sits inside one part of one block on both sides.
 #[derive(Debug, Clone, Copy)]
-enum Sweep {
+pub(crate) enum Sweep {
     /// One contiguous piece per block part.
     Whole {
         src_off: u64,
@@ -350,14 +350,14 @@ enum Sweep {
 }
 
 impl Sweep {
-    fn pieces(&self) -> u64 {
+    pub(crate) fn pieces(&self) -> u64 {
         match self {
             Sweep::Whole { .. } => 1,
             Sweep::Tokens { count, .. } => (*count).into(),
         }
     }
 
-    fn bytes(&self) -> Result<u64> {
+    pub(crate) fn bytes(&self) -> Result<u64> {
         match self {
             Sweep::Whole { len, .. } => Ok(*len),
             Sweep::Tokens { len, count, .. } => mul(*len, (*count).into(), "sweep bytes"),
@@ -382,40 +382,12 @@ fn require_equal<T: PartialEq + std::fmt::Display>(
 }
 
 fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep> {
-    require_equal("cache kind", src.kind(), dst.kind())?;
-    require_equal("dtype", src.dtype(), dst.dtype())?;
-    require_equal("head dim", src.head_dim(), dst.head_dim())?;
+    check_slice(src, dst, slice)?;
     require_equal(
         "tokens per block",
         src.tokens_per_block(),
         dst.tokens_per_block(),
     )?;
-    if src.kind() != CacheKind::Mla {
-        require_equal("in-block order", src.order(), dst.order())?;
-    }
-    if slice.count == 0 {
-        return Err(LayoutError::Zero {
-            field: "heads in slice",
-        });
-    }
-    for (first, heads, what) in [
-        (slice.src_first, src.kv_heads(), "source head slice end"),
-        (
-            slice.dst_first,
-            dst.kv_heads(),
-            "destination head slice end",
-        ),
-    ] {
-        // Two u32 values: the sum fits in u64.
-        let end = u64::from(first).saturating_add(slice.count.into());
-        if end > u64::from(heads) {
-            return Err(LayoutError::OutOfRange {
-                what,
-                index: end.saturating_sub(1),
-                limit: heads.into(),
-            });
-        }
-    }
     let hb = src.head_token_bytes();
     let tokens = u64::from(src.tokens_per_block());
     let count = u64::from(slice.count);
@@ -454,14 +426,49 @@ fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep
     Ok(sweep)
 }
 
-fn check_blocks(blocks: &[u32], limit: u32, what: &'static str) -> Result<()> {
+/// Checks what both sides of any plan share (kind, dtype, head dim, in-block order) and
+/// that the head slice lies inside both sides' heads.
+pub(crate) fn check_slice(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<()> {
+    require_equal("cache kind", src.kind(), dst.kind())?;
+    require_equal("dtype", src.dtype(), dst.dtype())?;
+    require_equal("head dim", src.head_dim(), dst.head_dim())?;
+    if src.kind() != CacheKind::Mla {
+        require_equal("in-block order", src.order(), dst.order())?;
+    }
+    if slice.count == 0 {
+        return Err(LayoutError::Zero {
+            field: "heads in slice",
+        });
+    }
+    for (first, heads, what) in [
+        (slice.src_first, src.kv_heads(), "source head slice end"),
+        (
+            slice.dst_first,
+            dst.kv_heads(),
+            "destination head slice end",
+        ),
+    ] {
+        // Two u32 values: the sum fits in u64.
+        let end = u64::from(first).saturating_add(slice.count.into());
+        if end > u64::from(heads) {
+            return Err(LayoutError::OutOfRange {
+                what,
+                index: end.saturating_sub(1),
+                limit: heads.into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_blocks(blocks: &[u32], limit: u32, what: &'static str) -> Result<()> {
     for &b in blocks {
         in_range(b.into(), limit.into(), what)?;
     }
     Ok(())
 }
 
-fn check_unique(blocks: &[u32], what: &'static str) -> Result<()> {
+pub(crate) fn check_unique(blocks: &[u32], what: &'static str) -> Result<()> {
     if blocks.windows(2).all(|w| w[0] < w[1]) {
         return Ok(());
     }
@@ -526,39 +533,15 @@ pub fn plan_transfer_into(
     check_blocks(pairs.src, src.spec.num_blocks(), "source block")?;
     check_blocks(pairs.dst, dst.spec.num_blocks(), "destination block")?;
     check_unique(pairs.dst, "destination blocks")?;
-    let first = src.layers.first.max(dst.layers.first);
-    let end = src.layers.end().min(dst.layers.end());
-    if first >= end {
-        return Err(LayoutError::Unsupported(format!(
-            "source layers {}..{} and destination layers {}..{} do not overlap",
-            src.layers.first,
-            src.layers.end(),
-            dst.layers.first,
-            dst.layers.end()
-        )));
-    }
+    let (first, end) = shared_layers(src, dst)?;
     let parts = src.spec.parts();
     let mut units = 0u64;
     for layer in first..end {
         units = add(units, layer_pairs(pairs, layer)?.len() as u64, "plan size")?;
     }
-    let units = mul(units, parts.len() as u64, "plan size")?;
-    let raw_count = mul(units, sweep.pieces(), "plan size")?;
-    if raw_count > options.max_descriptors {
-        return Err(LayoutError::TooLarge {
-            what: "descriptors in plan",
-            value: raw_count,
-            limit: options.max_descriptors,
-        });
-    }
-    let total_bytes = mul(units, sweep.bytes()?, "plan bytes")?;
+    let (raw_count, total_bytes) = sized(units, parts.len(), sweep, options)?;
     plan.reserve(raw_count as usize);
-    let mut emitter = Emitter {
-        out: plan,
-        merge: options.coalesce,
-        sorted: true,
-        last: None,
-    };
+    let mut emitter = Emitter::new(plan, options.coalesce);
     if src.spec.kind() == CacheKind::CrossLayer && pairs.windows.is_none() {
         // Every layer's page of a block sits in one run: block by block, layer by layer, the
         // descriptors come in destination order and merge as they are emitted, with no sort.
@@ -601,20 +584,67 @@ pub fn plan_transfer_into(
             }
         }
     }
-    // Emitted in destination order, every neighbour pair was already offered a merge, so
-    // the list is minimal; otherwise order it and merge again.
-    if options.coalesce && !emitter.sorted {
+    let sorted = emitter.sorted;
+    finish(plan, sorted, options, raw_count, total_bytes);
+    Ok(())
+}
+
+/// The global layers both sides hold, `[first, end)`; refused when they share none.
+pub(crate) fn shared_layers(src: &CacheSide<'_>, dst: &CacheSide<'_>) -> Result<(u32, u32)> {
+    let first = src.layers.first.max(dst.layers.first);
+    let end = src.layers.end().min(dst.layers.end());
+    if first >= end {
+        return Err(LayoutError::Unsupported(format!(
+            "source layers {}..{} and destination layers {}..{} do not overlap",
+            src.layers.first,
+            src.layers.end(),
+            dst.layers.first,
+            dst.layers.end()
+        )));
+    }
+    Ok((first, end))
+}
+
+/// The raw descriptors and bytes of a plan moving `units` (block or token unit, layer)
+/// pairs of `parts` parts each, refused beyond `options.max_descriptors`.
+pub(crate) fn sized(
+    units: u64,
+    parts: usize,
+    sweep: Sweep,
+    options: PlanOptions,
+) -> Result<(u64, u64)> {
+    let units = mul(units, parts as u64, "plan size")?;
+    let raw_count = mul(units, sweep.pieces(), "plan size")?;
+    if raw_count > options.max_descriptors {
+        return Err(LayoutError::TooLarge {
+            what: "descriptors in plan",
+            value: raw_count,
+            limit: options.max_descriptors,
+        });
+    }
+    Ok((raw_count, mul(units, sweep.bytes()?, "plan bytes")?))
+}
+
+/// Completes an emitted plan: emitted in destination order, every neighbour pair was
+/// already offered a merge, so the list is minimal; otherwise it is ordered and merged again.
+pub(crate) fn finish(
+    plan: &mut TransferPlan,
+    sorted: bool,
+    options: PlanOptions,
+    raw_count: u64,
+    total_bytes: u64,
+) {
+    if options.coalesce && !sorted {
         let mut descs = plan.descriptors();
         coalesce(&mut descs);
         plan.replace(&descs);
     }
     plan.raw_count = raw_count;
     plan.total_bytes = total_bytes;
-    Ok(())
 }
 
 /// Appends descriptors, merging when asked, and notes whether they stay in destination order.
-struct Emitter<'a> {
+pub(crate) struct Emitter<'a> {
     out: &'a mut TransferPlan,
     merge: bool,
     sorted: bool,
@@ -623,7 +653,22 @@ struct Emitter<'a> {
     last: Option<Descriptor>,
 }
 
-impl Emitter<'_> {
+impl<'a> Emitter<'a> {
+    /// An emitter appending to `out` (left as it is), merging neighbours when `merge`.
+    pub(crate) fn new(out: &'a mut TransferPlan, merge: bool) -> Self {
+        Emitter {
+            out,
+            merge,
+            sorted: true,
+            last: None,
+        }
+    }
+
+    /// True while every descriptor came in ascending destination order.
+    pub(crate) fn sorted(&self) -> bool {
+        self.sorted
+    }
+
     /// Appends the first piece of a block; later pieces of the same block follow in
     /// ascending destination order and never continue each other.
     #[inline(always)]
@@ -658,54 +703,62 @@ impl Emitter<'_> {
         for (&sb, &db) in sblocks.iter().zip(dblocks) {
             let s = sbase + u64::from(sb) * sblock;
             let d = dbase + u64::from(db) * dblock;
-            match sweep {
-                Sweep::Whole {
-                    src_off,
-                    dst_off,
+            self.emit_at(sweep, s, d);
+        }
+    }
+
+    /// Emits the pieces of one block part (or unit of tokens) at `s` → `d`. The callers
+    /// checked that every piece lies inside a registered region (see `emit`).
+    #[inline(always)]
+    #[allow(clippy::arithmetic_side_effects)]
+    pub(crate) fn emit_at(&mut self, sweep: Sweep, s: u64, d: u64) {
+        match sweep {
+            Sweep::Whole {
+                src_off,
+                dst_off,
+                len,
+            } => {
+                self.push_first(Descriptor {
+                    src: s + src_off,
+                    dst: d + dst_off,
                     len,
-                } => {
-                    self.push_first(Descriptor {
-                        src: s + src_off,
-                        dst: d + dst_off,
-                        len,
-                    });
-                }
-                Sweep::Tokens {
-                    src_off,
-                    dst_off,
-                    src_stride,
-                    dst_stride,
+                });
+            }
+            Sweep::Tokens {
+                src_off,
+                dst_off,
+                src_stride,
+                dst_stride,
+                len,
+                count,
+            } => {
+                let (s, d) = (s + src_off, d + dst_off);
+                self.push_first(Descriptor {
+                    src: s,
+                    dst: d,
                     len,
-                    count,
-                } => {
-                    let (s, d) = (s + src_off, d + dst_off);
-                    self.push_first(Descriptor {
-                        src: s,
-                        dst: d,
-                        len,
-                    });
-                    // Running sums, not `t * stride`: 64-bit vector multiplies are slow on
-                    // baseline x86-64, and this loop is the whole cost of big NHD plans.
-                    let rest = count as usize - 1;
-                    if rest == 0 {
-                        continue;
-                    }
-                    let (mut sa, mut da) = (s, d);
-                    self.out.src.extend((0..rest).map(|_| {
-                        sa += src_stride;
-                        sa
-                    }));
-                    self.out.dst.extend((0..rest).map(|_| {
-                        da += dst_stride;
-                        da
-                    }));
-                    self.out.push_lens(len, rest);
-                    self.last = Some(Descriptor {
-                        src: sa,
-                        dst: da,
-                        len,
-                    });
+                });
+                // Running sums, not `t * stride`: 64-bit vector multiplies are slow on
+                // baseline x86-64, and this loop is the whole cost of big NHD plans.
+                let rest = count as usize - 1;
+                if rest == 0 {
+                    return;
                 }
+                let (mut sa, mut da) = (s, d);
+                self.out.src.extend((0..rest).map(|_| {
+                    sa += src_stride;
+                    sa
+                }));
+                self.out.dst.extend((0..rest).map(|_| {
+                    da += dst_stride;
+                    da
+                }));
+                self.out.push_lens(len, rest);
+                self.last = Some(Descriptor {
+                    src: sa,
+                    dst: da,
+                    len,
+                });
             }
         }
     }
