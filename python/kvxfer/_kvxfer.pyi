@@ -105,6 +105,7 @@ class PullScheduler:
         params_json: str,
         uncomputed_blocks: list[int] | list[list[int]],
         num_external_tokens: int,
+        load_end: int | None = None,
     ) -> str: ...
     def build_step_meta(self) -> str: ...
     def request_finished(

@@ -438,8 +438,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             drop = max(0, blocks)
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         try:
+            # The loaded tokens, for a prefill with another block size (its plan maps token
+            # ranges). Not with a sliding window: the two sides' lists are trimmed to
+            # windows measured in each side's own blocks, which token plans do not model.
             updated = self._sched().after_alloc(
-                request.request_id, json.dumps(sent), local, num_external_tokens
+                request.request_id,
+                json.dumps(sent),
+                local,
+                num_external_tokens,
+                None if self._sliding else loaded,
             )
         except kvxfer.KvxferError as e:
             log.warning("request %s: cannot load remote KV (%s)", request.request_id, e)

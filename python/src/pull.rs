@@ -87,18 +87,21 @@ impl PullScheduler {
 
     /// Records a request after block allocation (`uncomputed_blocks`: its local blocks
     /// without a prefix hit, per KV cache group or flat for one); returns its updated params
-    /// JSON.
+    /// JSON. `load_end`: the token the load ends before, which a prefill with another block
+    /// size needs (the local blocks receive `[load_end - num_external_tokens, load_end)`).
+    #[pyo3(signature = (req_id, params_json, uncomputed_blocks, num_external_tokens, load_end = None))]
     fn after_alloc(
         &mut self,
         req_id: &str,
         params_json: &str,
         uncomputed_blocks: BlockIds,
         num_external_tokens: usize,
+        load_end: Option<usize>,
     ) -> PyResult<String> {
         let mut p = params(Some(params_json))?.unwrap_or_default();
         let blocks = uncomputed_blocks.into_groups();
         self.inner
-            .after_alloc(req_id, &mut p, &blocks, num_external_tokens)
+            .after_alloc(req_id, &mut p, &blocks, num_external_tokens, load_end)
             .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
         Ok(p.to_json())
     }

@@ -186,6 +186,29 @@ def hybrid_engines(
 
 
 @pytest.fixture(scope="module")
+def block_size_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """Two engines (UCX, each a prefill and a decode) whose blocks hold 32 and 64 tokens
+    (vLLM's CPU attention takes multiples of 32): each serves the other."""
+    _usable_or_skip("ucx")
+    logdir = tmp_path_factory.mktemp("vllm-block-sizes")
+    with running(
+        [
+            Engine(
+                f"blocks-{size}",
+                cpus,
+                {"side_channel_port": free_port()},
+                logdir,
+                model=MODEL,
+                opts={"block_size": size},
+            )
+            for cpus, size in [("0", 32), ("1", 64)]
+        ],
+        logdir,
+    ) as engines:
+        yield engines[0], engines[1]
+
+
+@pytest.fixture(scope="module")
 def fp8_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, ...]]:
     """An fp8 (e4m3) prefill and decode, and an e5m2 prefill, UCX: vLLM keeps both formats
     in uint8 tensors, so only the cache config tells them apart."""

@@ -206,6 +206,7 @@ pub(super) fn run(
                     &mut params,
                     std::slice::from_ref(&local),
                     c.tokens_per_request as usize,
+                    None,
                 )
                 .map_err(|e| BenchError::Config(e.to_string()))?;
             jobs.push((id, remote, local));

@@ -119,6 +119,7 @@ fn main() {
                 &mut params,
                 std::slice::from_ref(&local),
                 REQ_BLOCKS * 16,
+                None,
             )
             .expect("alloc");
         let meta = dsched.build_step_meta();

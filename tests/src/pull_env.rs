@@ -457,7 +457,7 @@ impl<T: Transport> Engine<T> {
     ) -> StepMeta {
         let mut p = params.clone();
         self.scheduler
-            .after_alloc(req_id, &mut p, &[local.to_vec()], external_tokens)
+            .after_alloc(req_id, &mut p, &[local.to_vec()], external_tokens, None)
             .expect("after alloc");
         let meta = self.scheduler.build_step_meta();
         for w in &mut self.workers {

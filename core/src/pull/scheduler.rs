@@ -37,6 +37,11 @@ pub struct RecvRequest {
     /// When the prefill frees the blocks, in its clock's seconds (stock vLLM prefills).
     #[serde(default)]
     pub remote_expiry: Option<serde_json::Number>,
+    /// The request's tokens the local blocks receive, `[first, end)`, where the engine named
+    /// them (`after_alloc`'s `load_end`): what a load from a prefill whose blocks hold a
+    /// different number of tokens needs, since it maps token ranges, not block ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<[u64; 2]>,
 }
 
 /// One KV cache group's blocks of a load: the prefill's read, the local ones filled.
@@ -190,13 +195,17 @@ impl PullScheduler {
 
     /// Records a request after block allocation. `uncomputed_blocks` are its local blocks
     /// without a local prefix hit, per KV cache group; with `num_external_tokens == 0` (full
-    /// prefix hit) the prefill is only notified. Triggers at most one transfer per request.
+    /// prefix hit) the prefill is only notified. `load_end`, where given, is the token the
+    /// load ends before (the local blocks then receive `[load_end - num_external_tokens,
+    /// load_end)`), which lets a prefill with another block size serve the load. Triggers at
+    /// most one transfer per request.
     pub fn after_alloc(
         &mut self,
         req_id: &str,
         params: &mut KvTransferParams,
         uncomputed_blocks: &[Vec<u32>],
         num_external_tokens: usize,
+        load_end: Option<usize>,
     ) -> Result<(), WireError> {
         if !params.do_remote_prefill || self.triggered.contains(req_id) {
             return Ok(());
@@ -209,9 +218,11 @@ impl PullScheduler {
         };
         // The load supersedes the wait: the workers heartbeat it as a load from here.
         self.waiting.remove(req_id);
-        self.pending
-            .recv
-            .push(recv_request(req_id, params, src, local));
+        let mut recv = recv_request(req_id, params, src, local);
+        recv.tokens = load_end
+            .filter(|_| num_external_tokens > 0)
+            .and_then(|end| Some([end.checked_sub(num_external_tokens)? as u64, end as u64]));
+        self.pending.recv.push(recv);
         self.triggered.insert(req_id.into());
         params.do_remote_prefill = false;
         Ok(())
@@ -290,6 +301,7 @@ fn recv_request(
         protocol: params.peer_protocol(),
         remote_tp_size: params.tp_size,
         remote_expiry: params.remote_blocks_expiry_time.clone(),
+        tokens: None,
     }
 }
 
@@ -347,13 +359,15 @@ mod tests {
         let mut p = remote(&[7, 8, 9]);
         // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
         assert_eq!(s.tokens_to_load("r1", Some(&p), 40, 0), Ok((40, true)));
-        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40).unwrap();
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None)
+            .unwrap();
         let meta = s.build_step_meta();
         assert_eq!(meta.recv.len(), 1);
         assert_eq!(meta.recv[0].local_block_ids, vec![vec![1, 2, 3]]);
         assert_eq!(meta.recv[0].remote_block_ids, vec![vec![7, 8, 9]]);
         // Only one transfer per request, and the meta was taken.
-        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40).unwrap();
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None)
+            .unwrap();
         assert!(s.build_step_meta().recv.is_empty());
         assert!(!p.do_remote_prefill);
     }
@@ -405,7 +419,7 @@ mod tests {
         assert_eq!((wait.engine_id.as_str(), wait.port), ("P", 5600));
         assert!(wait.remote_block_ids.is_empty() && wait.local_block_ids.is_empty());
         // Loading ends the wait without an unwait; asking again after that is no new wait.
-        s.after_alloc("r", &mut p.clone(), &[vec![1, 2]], 20)
+        s.after_alloc("r", &mut p.clone(), &[vec![1, 2]], 20, None)
             .unwrap();
         s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
         let meta = s.build_step_meta();
@@ -442,7 +456,7 @@ mod tests {
         let mut p = remote(&[7]);
         p.do_remote_prefill = false;
         assert_eq!(s.tokens_to_load("r", Some(&p), 40, 0), Ok((0, false)));
-        s.after_alloc("r", &mut p, &[vec![1]], 16).unwrap();
+        s.after_alloc("r", &mut p, &[vec![1]], 16, None).unwrap();
         assert_eq!(s.build_step_meta(), StepMeta::default());
     }
 
@@ -451,9 +465,9 @@ mod tests {
     #[test]
     fn a_request_triggers_once_whatever_params_it_brings() {
         let mut s = PullScheduler::new("D", "h", 1);
-        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16)
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None)
             .unwrap();
-        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16)
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None)
             .unwrap();
         assert_eq!(s.build_step_meta().recv.len(), 1);
     }
@@ -463,9 +477,10 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
         // A full hit loads nothing, whatever blocks the engine passes.
-        s.after_alloc("full", &mut p, &[vec![4]], 0).unwrap();
+        s.after_alloc("full", &mut p, &[vec![4]], 0, None).unwrap();
         let mut q = remote(&[7, 8, 9]);
-        s.after_alloc("partial", &mut q, &[vec![5]], 16).unwrap();
+        s.after_alloc("partial", &mut q, &[vec![5]], 16, None)
+            .unwrap();
         let meta = s.build_step_meta();
         assert!(meta.recv[0].local_block_ids.is_empty());
         assert_eq!(meta.recv[1].local_block_ids, vec![vec![5]]);
@@ -473,7 +488,10 @@ mod tests {
             do_remote_prefill: true,
             ..Default::default()
         };
-        assert!(s.after_alloc("bad", &mut bad, &[vec![1]], 16).is_err());
+        assert!(
+            s.after_alloc("bad", &mut bad, &[vec![1]], 16, None)
+                .is_err()
+        );
     }
 
     #[test]
@@ -515,7 +533,7 @@ mod tests {
         let mut out = d.params.unwrap();
         assert_eq!(out.remote_block_ids, Some(vec![vec![], vec![9]]));
         let mut dec = PullScheduler::new("D", "h", 1);
-        dec.after_alloc("r", &mut out, &[vec![3], vec![4]], 40)
+        dec.after_alloc("r", &mut out, &[vec![3], vec![4]], 40, None)
             .unwrap();
         let recv = dec.build_step_meta().recv;
         assert_eq!(recv[0].local_block_ids, vec![vec![3], vec![4]]);
@@ -534,7 +552,38 @@ mod tests {
             protocol: PeerProtocol::Kvxfer,
             remote_tp_size: None,
             remote_expiry: None,
+            tokens: None,
         }
+    }
+
+    /// A load names the tokens its local blocks receive where the engine gave its end:
+    /// `[end - external, end)`; none for a full prefix hit or an end before the external
+    /// tokens' start.
+    #[test]
+    fn a_load_names_its_tokens_where_the_engine_gave_their_end() {
+        let tokens = |external, end| {
+            let mut s = PullScheduler::new("D", "h", 1);
+            let mut p = KvTransferParams {
+                do_remote_prefill: true,
+                remote_block_ids: Some(vec![vec![1, 2, 3]]),
+                remote_engine_id: Some("P".into()),
+                remote_host: Some("h".into()),
+                remote_port: Some(1),
+                ..Default::default()
+            };
+            s.after_alloc("r", &mut p, &[vec![7, 8]], external, end)
+                .unwrap();
+            s.build_step_meta().recv[0].tokens
+        };
+        assert_eq!(tokens(24, Some(40)), Some([16, 40]));
+        assert_eq!(tokens(40, Some(40)), Some([0, 40]));
+        assert_eq!(tokens(24, None), None);
+        assert_eq!(tokens(0, Some(40)), None, "a full prefix hit loads nothing");
+        assert_eq!(
+            tokens(41, Some(40)),
+            None,
+            "more external tokens than the end"
+        );
     }
 
     /// Each group's local blocks take the tail of that group's prefill blocks; counts that

@@ -675,7 +675,7 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     let meta = pre.scheduler.build_step_meta();
     pre.workers[0].start_load_kv(&meta);
     dec.scheduler
-        .after_alloc("r", &mut params, &[vec![8, 9, 10], vec![12]], 12)
+        .after_alloc("r", &mut params, &[vec![8, 9, 10], vec![12]], 12, None)
         .expect("after alloc");
     let meta = dec.scheduler.build_step_meta();
     dec.workers[0].start_load_kv(&meta);
@@ -733,7 +733,7 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     pre.workers[0].start_load_kv(&meta);
     plain
         .scheduler
-        .after_alloc("r2", &mut params, &[vec![1], vec![2]], 4)
+        .after_alloc("r2", &mut params, &[vec![1], vec![2]], 4, None)
         .expect("after alloc");
     let meta = plain.scheduler.build_step_meta();
     plain.workers[0].start_load_kv(&meta);
@@ -747,4 +747,133 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     );
     assert_eq!(failed[0].invalid_blocks, vec![1, 2]);
     plain.caches[0].verify(&[]).expect("nothing written");
+}
+
+/// A prefill whose blocks hold 4 tokens and a decode whose blocks hold 8, then the reverse:
+/// the load maps token ranges. The decode already holds the first 8 tokens (a prefix hit)
+/// and loads tokens 8..21; each lands at its own place in the decode's blocks with the
+/// prefill's bytes for that token, nothing before token 8 or outside the listed blocks is
+/// written, and a load that does not name its tokens fails cleanly, writing nothing.
+pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFactory>(f: &F) {
+    use crate::pull_env::{GUARD, RankCache, element_byte, engine_with};
+    let asks = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let (first, end) = (8u32, 21u32);
+    for (name, ptok, dtok) in [("bs4-8", 4u32, 8u32), ("bs8-4", 8, 4)] {
+        let pm = Model {
+            tokens: ptok,
+            ..Model::small(BlockOrder::Hnd, 2)
+        };
+        let dm = Model {
+            tokens: dtok,
+            ..Model::small(BlockOrder::Hnd, 2)
+        };
+        let pkv = |c: &RankCache| pm.kv_cache(c);
+        let dkv = |c: &RankCache| dm.kv_cache(c);
+        let mut pre = engine_with(&format!("{name}-P"), &pm, true, &mk(f), &pkv);
+        let mut dec = engine_with(&format!("{name}-D"), &dm, false, &mk(f), &dkv);
+        // Scattered ids: the prefill's blocks of tokens 0..21, the decode's of 8..21.
+        let src: Vec<u32> = (0..end.div_ceil(ptok)).map(|i| 15 - 2 * i).collect();
+        let dst: Vec<u32> = (first / dtok..end.div_ceil(dtok))
+            .map(|i| 2 * i + 1)
+            .collect();
+        // The prefill hands off the blocks from token `ptok` on: its list ends at the last
+        // token's block, and the decode aligns it there.
+        let mut params = pre
+            .scheduler
+            .request_finished("r", Some(&asks), true, &[src[1..].to_vec()])
+            .params
+            .expect("params");
+        let meta = pre.scheduler.build_step_meta();
+        pre.workers[0].start_load_kv(&meta);
+        let mut unnamed = params.clone();
+        dec.scheduler
+            .after_alloc(
+                "r",
+                &mut params,
+                std::slice::from_ref(&dst),
+                (end - first) as usize,
+                Some(end as usize),
+            )
+            .expect("after alloc");
+        let meta = dec.scheduler.build_step_meta();
+        dec.workers[0].start_load_kv(&meta);
+        let mut failures = Vec::new();
+        poll_until_pair(
+            &mut dec,
+            &mut pre,
+            &mut [false],
+            &mut [false],
+            &mut failures,
+        );
+        assert!(failures.is_empty(), "{name}: {failures:?}");
+        let d = &dec.caches[0];
+        let at = |c: &RankCache, layer, part, block, t, h| {
+            let (region, r) = c.spec.head_token_range(layer, part, block, t, h).unwrap();
+            let start = (u64::from(region) * c.spec.region_len() + r.offset) as usize;
+            start..start + r.len as usize
+        };
+        let mut checked = 0;
+        for layer in 0..dm.layers {
+            for &part in d.spec.parts() {
+                for (i, &db) in dst.iter().enumerate() {
+                    for t in 0..dtok {
+                        let token = first + i as u32 * dtok + t;
+                        for h in 0..dm.heads {
+                            let got = &d.mem[at(d, layer, part, db, t, h)];
+                            if token >= end {
+                                continue; // past the prompt: may hold its unit's copy
+                            }
+                            let (pb, pt) = (src[(token / ptok) as usize], token % ptok);
+                            let want: Vec<u8> = (0..got.len() as u64)
+                                .map(|e| element_byte(layer, part, pb, pt, h, e))
+                                .collect();
+                            assert_eq!(
+                                got,
+                                &want[..],
+                                "{name}: layer {layer} token {token} head {h}"
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+                // Blocks not listed: untouched.
+                for b in (0..dm.blocks).filter(|b| !dst.contains(b)) {
+                    for t in 0..dtok {
+                        for h in 0..dm.heads {
+                            let got = &d.mem[at(d, layer, part, b, t, h)];
+                            assert!(got.iter().all(|&x| x == GUARD), "{name}: block {b} written");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 2 * 2 * (end - first) * 2, "{name}");
+        // The same load without its tokens: refused by name, nothing written.
+        let mut plain = engine_with(&format!("{name}-E"), &dm, false, &mk(f), &dkv);
+        let mut params = pre
+            .scheduler
+            .request_finished("r2", Some(&asks), true, std::slice::from_ref(&src))
+            .params
+            .expect("params");
+        let meta = pre.scheduler.build_step_meta();
+        pre.workers[0].start_load_kv(&meta);
+        unnamed.remote_request_id = params.remote_request_id.take();
+        plain
+            .scheduler
+            .after_alloc("r2", &mut unnamed, std::slice::from_ref(&dst), 13, None)
+            .expect("after alloc");
+        let meta = plain.scheduler.build_step_meta();
+        plain.workers[0].start_load_kv(&meta);
+        let failed = first_failure(&mut plain);
+        assert!(
+            failed[0].reason.contains("did not name"),
+            "{name}: {}",
+            failed[0].reason
+        );
+        assert_eq!(failed[0].invalid_blocks, dst);
+        plain.caches[0].verify(&[]).expect("nothing written");
+    }
 }

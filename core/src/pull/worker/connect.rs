@@ -232,6 +232,22 @@ impl<T: Transport> PullWorker<T> {
                 if let Err(mismatches) = check_compatible(&local, &remote) {
                     problems.extend(mismatches.iter().map(ToString::to_string));
                 }
+                let (ours_tpb, theirs_tpb) = (own.spec.tokens_per_block(), spec.tokens_per_block());
+                if ours_tpb != theirs_tpb {
+                    // Token-range plans cover one block table of full-attention layers.
+                    let what = if own.groups.is_some() || layout.groups.is_some() {
+                        Some("KV cache groups")
+                    } else if own.layer_windows.is_some() {
+                        Some("per-layer attention windows")
+                    } else {
+                        None
+                    };
+                    if let Some(what) = what {
+                        problems.push(format!(
+                            "tokens per block: local {ours_tpb}, remote {theirs_tpb}; with {what} both sides need the same block size"
+                        ));
+                    }
+                }
                 let groups = match &layout.groups {
                     Some(_)
                         if layout.first_layer != 0 || layout.total_layers != spec.num_layers() =>
@@ -328,12 +344,14 @@ impl<T: Transport> PullWorker<T> {
         rank: u32,
         remote: &RemoteRank,
     ) -> Option<BlockLists> {
-        // Hybrid caches post raw plans: prepared lists describe one block table.
+        // Hybrid caches post raw plans: prepared lists describe one block table; so do
+        // blocks of different sizes (their plans map token ranges).
         if !self.config.prepared_lists
             || !self.transport.prefers_prepared_lists()
             || self.cache.layer_windows.is_some()
             || self.cache.groups.is_some()
             || remote.groups.is_some()
+            || remote.spec.tokens_per_block() != self.cache.spec.tokens_per_block()
         {
             return None;
         }

@@ -4,7 +4,8 @@
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use kvxfer_layout::{
-    BlockPairs, CacheSide, HeadSlice, LinkKind, PlanOptions, TransferPlan, plan_transfer_into,
+    BlockPairs, CacheSide, HeadSlice, LinkKind, PlanOptions, TokenPairs, TransferPlan,
+    plan_token_transfer_into, plan_transfer_into,
 };
 
 use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank};
@@ -78,9 +79,18 @@ impl<T: Transport> PullWorker<T> {
                 Vec::new(),
             ));
         };
-        let pairs = req
-            .pairs(self.cache.group_count())
-            .map_err(|e| (e, Vec::new()))?;
+        // A prefill whose blocks hold another number of tokens: plans map token ranges.
+        let own_tokens = self.cache.spec.tokens_per_block();
+        let resized = ranks
+            .values()
+            .any(|r| r.spec.tokens_per_block() != own_tokens);
+        let pairs = if resized {
+            Vec::new()
+        } else {
+            req.pairs(self.cache.group_count())
+                .map_err(|e| (e, Vec::new()))?
+        };
+        let moves = !req.local_block_ids.iter().all(Vec::is_empty);
         let links = mapping
             .links_for_decode(self.config.tp_rank)
             .map_err(|e| (e.to_string(), Vec::new()))?;
@@ -139,16 +149,27 @@ impl<T: Transport> PullWorker<T> {
                         .descriptors_posted
                         .tally(self.indices.0.len() as u64);
                 }
-                (LinkKind::Data(slice), None) if !pairs.is_empty() => {
+                (LinkKind::Data(slice), None) if !pairs.is_empty() || (resized && moves) => {
                     let planning = self.clock.now();
-                    let (bytes, raw) = plan_read(
-                        rank,
-                        &self.cache,
-                        slice,
-                        &pairs,
-                        &mut self.plan,
-                        &mut self.ranges,
-                    )
+                    let (bytes, raw) = if resized {
+                        plan_resized_read(
+                            rank,
+                            &self.cache,
+                            slice,
+                            req,
+                            &mut self.plan,
+                            &mut self.ranges,
+                        )
+                    } else {
+                        plan_read(
+                            rank,
+                            &self.cache,
+                            slice,
+                            &pairs,
+                            &mut self.plan,
+                            &mut self.ranges,
+                        )
+                    }
                     .map_err(|e| (e, posted.clone()))?;
                     self.metrics
                         .plan_time
@@ -374,6 +395,79 @@ impl<T: Transport> PullWorker<T> {
     }
 }
 
+/// A READ's local and remote address ranges, as a plan gives them.
+type Ranges = (
+    Vec<crate::transport::AddrRange>,
+    Vec<crate::transport::AddrRange>,
+);
+
+/// Plans the READ of a load from a prefill whose blocks hold another number of tokens than
+/// this cache's: token ranges, not block ids, pair them. One block table (no groups, no
+/// per-layer windows: the handshake refused those); the load names its tokens, and the
+/// prefill's list ends at the block of the load's last token, as this version's and stock
+/// vLLM's prefills hand them off.
+fn plan_resized_read(
+    remote: &RemoteRank,
+    own: &KvCache,
+    slice: HeadSlice,
+    req: &RecvRequest,
+    plan: &mut TransferPlan,
+    ranges: &mut Ranges,
+) -> Result<(u64, u64), String> {
+    ranges.0.clear();
+    ranges.1.clear();
+    let (theirs, ours) = (remote.spec.tokens_per_block(), own.spec.tokens_per_block());
+    if remote.groups.is_some() || own.groups.is_some() || own.layer_windows.is_some() {
+        return Err(format!(
+            "blocks of {theirs} tokens into blocks of {ours}: only without KV cache groups or per-layer windows"
+        ));
+    }
+    let ([src], [dst]) = (
+        req.remote_block_ids.as_slice(),
+        req.local_block_ids.as_slice(),
+    ) else {
+        return Err("blocks of one KV cache group expected".into());
+    };
+    let Some([first, end]) = req.tokens else {
+        return Err(format!(
+            "the prefill's blocks hold {theirs} tokens, this cache's {ours}: the load needs the tokens it covers, which the engine did not name"
+        ));
+    };
+    // The prefill's list ends at the block holding token `end - 1`.
+    let held = end.div_ceil(u64::from(theirs));
+    let src_first = held
+        .checked_sub(src.len() as u64)
+        .and_then(|b| b.checked_mul(u64::from(theirs)))
+        .ok_or_else(|| {
+            format!(
+                "the prefill lists {} blocks of {theirs} tokens, more than the {end} tokens loaded fill",
+                src.len()
+            )
+        })?;
+    let src_side = CacheSide::new(&remote.spec, &remote.bases, remote.first_layer)
+        .map_err(|e| e.to_string())?;
+    let dst_side =
+        CacheSide::new(&own.spec, &own.bases, own.first_layer).map_err(|e| e.to_string())?;
+    let pairs = TokenPairs {
+        src,
+        src_first,
+        dst,
+        dst_first: first,
+        tokens: first..end,
+    };
+    plan_token_transfer_into(
+        &src_side,
+        &dst_side,
+        slice,
+        &pairs,
+        PlanOptions::default(),
+        plan,
+    )
+    .map_err(|e| e.to_string())?;
+    append_for(Op::Read, plan.iter(), &mut ranges.0, &mut ranges.1);
+    Ok((plan.total_bytes, plan.raw_count))
+}
+
 /// Plans the READ of `pairs` (per KV cache group: prefill blocks, local blocks) from
 /// `remote` into `own` into `ranges` (local, remote): one coalesced plan per group, on that
 /// group's layers alone. Returns the bytes moved and the descriptors before coalescing.
@@ -383,10 +477,7 @@ fn plan_read(
     slice: HeadSlice,
     pairs: &[GroupPairs<'_>],
     plan: &mut TransferPlan,
-    ranges: &mut (
-        Vec<crate::transport::AddrRange>,
-        Vec<crate::transport::AddrRange>,
-    ),
+    ranges: &mut Ranges,
 ) -> Result<(u64, u64), String> {
     ranges.0.clear();
     ranges.1.clear();
