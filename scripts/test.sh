@@ -140,8 +140,8 @@ KVXFER_UCX_LIBRARY="$bundled_ucp" stage "the UCX suite on NIXL's bundled UCX" \
 # The Python and engine tests use the installed wheels; the benchmarks build in release.
 prune "$root/target/debug"
 
-stage "ruff" "$root/.venv-py/bin/ruff" check python
-stage "ruff format" "$root/.venv-py/bin/ruff" format --check python
+stage "ruff" "$root/.venv-py/bin/ruff" check python examples
+stage "ruff format" "$root/.venv-py/bin/ruff" format --check python examples
 # From the root, so the installed package is imported, not python/kvxfer's sources.
 stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/tests
 
