@@ -243,6 +243,45 @@ mod tests {
         }
     }
 
+    /// MLA caches hold one latent per token whatever their order and head count: two of them
+    /// pair across both; against another kind, the order and heads are compared too.
+    #[test]
+    fn mla_ignores_order_and_heads_only_against_mla() {
+        let mla = |order| {
+            CacheSpec::new(CacheParams {
+                kind: CacheKind::Mla,
+                order,
+                dtype: Dtype::Bf16,
+                num_layers: 32,
+                kv_heads: 1,
+                head_dim: 128,
+                tokens_per_block: 16,
+                num_blocks: 100,
+            })
+            .unwrap()
+        };
+        let side = |spec, heads| SideLayout {
+            spec,
+            tp_size: 1,
+            total_kv_heads: heads,
+            total_layers: 32,
+        };
+        let (a, b) = (mla(BlockOrder::Hnd), mla(BlockOrder::Nhd));
+        assert_eq!(check_compatible(&side(&a, 1), &side(&b, 8)), Ok(()));
+        let split = spec(1, Dtype::Bf16, 16);
+        let text: Vec<String> = check_compatible(&side(&b, 1), &side(&split, 8))
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for field in ["cache kind", "in-block order", "total KV heads"] {
+            assert!(
+                text.iter().any(|t| t.starts_with(field)),
+                "{field}: {text:?}"
+            );
+        }
+    }
+
     #[test]
     fn lists_every_mismatch() {
         let (a, b) = (spec(8, Dtype::Bf16, 16), spec(3, Dtype::F16, 24));
