@@ -151,7 +151,7 @@ stage "real vLLM: prefill and decode with KvxferConnector" \
 stage "real SGLang: prefill, decode, router (kvxfer backend)" \
     "$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
 
-stage "fuzzing: 10 s per target" scripts/fuzz.sh 10
+stage "fuzzing: 5 s per target" scripts/fuzz.sh 5
 prune "$root/fuzz/target"
 
 # Benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time).
