@@ -7,9 +7,9 @@ KvxferConnector: each completion goes to the prefill server with `max_tokens: 1`
         --decode http://127.0.0.1:8200 --port 8000
 
 Standard library only, non-streaming `/v1/completions` (and `/health`); a sketch of what a
-production router (vLLM's, or SGLang's) does, not a replacement for one. A failed prefill
-is the client's error (502 with the prefill's answer); the decode's answer, error or not,
-is passed through.
+production router (vLLM's, or SGLang's) does, not a replacement for one. A prefill's 4xx
+answer is passed to the client, any other failure of the prefill is a 502; the decode's
+answer, error or not, is passed through.
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 TIMEOUT = 600.0  # seconds per upstream request; a CPU engine may queue a while
+MAX_BODY = 16 << 20  # bytes of a client's request
+# Sampling options that would make the one-token prefill request invalid or stop it early.
+PREFILL_DROPS = ("min_tokens", "stop", "stop_token_ids", "stream_options")
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    """POSTs `body` as JSON; the status and body, for errors too."""
+    """POSTs `body` as JSON; the status and body, for errors too (502 when the server cannot
+    be reached or does not answer within TIMEOUT)."""
     req = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
@@ -36,10 +40,24 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+    except OSError as e:  # refused, reset, timed out
+        return 502, json.dumps({"error": f"{url}: {e}"}).encode()
+
+
+def transfer_params(body: bytes) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a completion's answer, if it is one that has them."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return params if isinstance(params, dict) else None
 
 
 def handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
     class Proxy(BaseHTTPRequestHandler):
+        timeout = 60  # seconds a client may take to send its request
+
         def do_GET(self) -> None:
             self.reply(200, b"{}") if self.path == "/health" else self.reply(404, b"{}")
 
@@ -49,6 +67,8 @@ def handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 length = int(self.headers.get("Content-Length", "0"))
+                if not 0 <= length <= MAX_BODY:
+                    raise ValueError(f"Content-Length {length} outside 0..{MAX_BODY}")
                 request = json.loads(self.rfile.read(length))
             except ValueError as e:
                 self.reply(400, json.dumps({"error": f"bad request: {e}"}).encode())
@@ -56,14 +76,21 @@ def handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
             if not isinstance(request, dict):
                 self.reply(400, b'{"error": "bad request: not a JSON object"}')
                 return
-            first = dict(request, max_tokens=1, stream=False)
-            first["kv_transfer_params"] = {"do_remote_decode": True}
+            if request.get("stream"):
+                self.reply(400, b'{"error": "this proxy does not stream"}')
+                return
+            first = {k: v for k, v in request.items() if k not in PREFILL_DROPS}
+            first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             status, body = post(prefill + "/v1/completions", first)
-            params = (
-                json.loads(body).get("kv_transfer_params") if status == 200 else None
-            )
+            if status != 200:
+                # The client's own error (4xx) as the prefill gave it; else the prefill failed.
+                self.reply(status if 400 <= status < 500 else 502, body)
+                return
+            params = transfer_params(body)
             if params is None:
-                self.reply(502, body)
+                self.reply(
+                    502, b'{"error": "the prefill answered without kv_transfer_params"}'
+                )
                 return
             status, body = post(
                 decode + "/v1/completions", dict(request, kv_transfer_params=params)

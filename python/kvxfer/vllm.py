@@ -439,14 +439,16 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         try:
             # The loaded tokens, for a prefill with another block size (its plan maps token
-            # ranges). Not with a sliding window: the two sides' lists are trimmed to
-            # windows measured in each side's own blocks, which token plans do not model.
+            # ranges, its list aligned at the last loaded token's block). Only where that
+            # alignment holds: no sliding window (each side trims its lists to windows in
+            # its own blocks) and a prefill that computed exactly the loaded tokens.
+            aligned = not self._sliding and int(params.get("remote_num_tokens") or loaded) == loaded
             updated = self._sched().after_alloc(
                 request.request_id,
                 json.dumps(sent),
                 local,
                 num_external_tokens,
-                None if self._sliding else loaded,
+                loaded if aligned else None,
             )
         except kvxfer.KvxferError as e:
             log.warning("request %s: cannot load remote KV (%s)", request.request_id, e)

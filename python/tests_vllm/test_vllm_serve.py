@@ -73,10 +73,10 @@ def serve(role: str, cpus: str, port: int, logdir: Path) -> subprocess.Popen[byt
         "--kv-transfer-config",
         json.dumps(ktc),
     ]
-    log = open(logdir / f"serve-{role}.log", "wb")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    with open(logdir / f"serve-{role}.log", "wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 600) -> None:
@@ -100,12 +100,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-serve")
     ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    procs = [
-        serve("prefill", "0", ports["prefill"], logdir),
-        serve("decode", "1", ports["decode"], logdir),
-    ]
+    procs: list[subprocess.Popen[bytes]] = []
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     try:
+        procs.append(serve("prefill", "0", ports["prefill"], logdir))
+        procs.append(serve("decode", "1", ports["decode"], logdir))
         for role in ("prefill", "decode"):
             wait_healthy(urls[role], procs)
         procs.append(
@@ -136,6 +135,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
+                p.wait(timeout=30)
         print(f"server logs: {logdir}")
 
 
@@ -195,3 +195,11 @@ def test_a_reference_to_a_missing_prefill_is_an_error_and_serving_goes_on(
     assert "handshake with nobody failed" in log, log[-2000:]
     ok = request(servers["proxy"] + "/v1/completions", completion(x))
     assert ok["choices"][0]["finish_reason"] == "length", ok
+
+
+def test_the_proxy_answers_bad_requests_itself(servers: dict[str, str]) -> None:
+    url = servers["proxy"] + "/v1/completions"
+    assert request(url, completion(prompt(131, 20), stream=True))["status"] == 400
+    assert request(url, [1, 2])["status"] == 400  # not an object
+    # A prefill's 4xx reaches the client as it is: a prompt beyond max-model-len.
+    assert request(url, completion(prompt(132, 2000)))["status"] == 400

@@ -875,5 +875,40 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
         );
         assert_eq!(failed[0].invalid_blocks, dst);
         plain.caches[0].verify(&[]).expect("nothing written");
+        // A decode with KV cache groups: token ranges cover one block table, so the
+        // handshake refuses the other block size by name.
+        let grouped = |c: &RankCache| kvxfer_core::pull::KvCache {
+            groups: Some(kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).unwrap()),
+            ..dm.kv_cache(c)
+        };
+        let mut hybrid = engine_with(&format!("{name}-G"), &dm, false, &mk(f), &grouped);
+        let mut params = pre
+            .scheduler
+            .request_finished("r3", Some(&asks), true, &[src.clone(), Vec::new()])
+            .params
+            .expect("params");
+        let meta = pre.scheduler.build_step_meta();
+        pre.workers[0].start_load_kv(&meta);
+        hybrid
+            .scheduler
+            .after_alloc(
+                "r3",
+                &mut params,
+                &[dst.clone(), Vec::new()],
+                13,
+                Some(end as usize),
+            )
+            .expect("after alloc");
+        let meta = hybrid.scheduler.build_step_meta();
+        hybrid.workers[0].start_load_kv(&meta);
+        let failed = first_failure(&mut hybrid);
+        assert!(
+            failed[0]
+                .reason
+                .contains("with KV cache groups both sides need the same block size"),
+            "{name}: {}",
+            failed[0].reason
+        );
+        hybrid.caches[0].verify(&[]).expect("nothing written");
     }
 }
