@@ -23,10 +23,13 @@ pub enum CacheKind {
     JointKv,
     /// Multi-head latent attention: one region per layer, one latent vector per token.
     Mla,
-    /// One region per layer; every (head, token) slot holds that head's K vector followed by
-    /// its V vector. vLLM 0.32's CPU cache, `[blocks, heads, tokens, 2 * head_dim]` (HND),
-    /// and the packed layout vLLM's GPU FlashAttention moved to. K and V move together, as
-    /// one part ([`Part::PackedKv`]) whose head-token slot is `2 * head_dim` elements.
+    /// One region per layer; each block `[heads, tokens, 2 * head_dim]` (HND) or
+    /// `[tokens, heads, 2 * head_dim]` (NHD), K and V moving together as one part
+    /// ([`Part::PackedKv`]) whose head-token slot is `2 * head_dim` elements. vLLM 0.32's CPU
+    /// cache has this shape (HND), but its attention kernel lays each head's block out itself
+    /// (all the tokens' K rows, then their V rows): only whole head blocks are meaningful
+    /// there, which is what plans between equal block sizes move; token ranges of a packed
+    /// cache are refused ([`crate::whole_blocks_only`]).
     PackedKv,
     /// One region for every layer, block-outermost: each block holds every layer's page in
     /// turn (layer `l` at `l * page`), and each page is packed K/V as in [`PackedKv`]. vLLM's

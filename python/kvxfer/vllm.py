@@ -141,7 +141,9 @@ def describe_cache(
 ) -> dict[str, Any]:
     """The kvxfer layout of vLLM's KV cache tensors, derived from each tensor's pointer and
     strides (never from an assumed shape): one region per layer, block-major, each block a
-    contiguous `[heads, tokens, K|V]` (packed K/V, HND) or `[tokens, heads, K|V]` (NHD);
+    contiguous `[heads, tokens, 2 * head_size]` (packed K/V, HND: vLLM's CPU attention lays
+    each head's block out itself, so kvxfer moves whole head blocks of it) or
+    `[tokens, heads, 2 * head_size]` (NHD);
     or, when vLLM laid the layers out cross-layer (`VLLM_KV_CACHE_LAYOUT=BLHNC` or `BLNHC`),
     one region whose every block holds each layer's page in layer order. `kv_cache_dtype`
     is vLLM's cache config's (see `cache_dtype`). With `mla`, each layer's block is a
