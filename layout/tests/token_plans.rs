@@ -290,87 +290,37 @@ fn block_sizes_that_do_not_divide_and_lists_too_short_are_refused() {
         dst_first: first,
         tokens,
     };
-    let err = plan_token_transfer(
-        &sa,
-        &sb,
-        slice,
-        &pairs(&[0], &[0], 0, 0..4),
-        Default::default(),
-    );
+    // Plans from `sa` (4-token blocks) into `to`; the error's text where it fails.
+    let plan = |to: &CacheSide<'_>, src, dst, first, tokens| {
+        plan_token_transfer(
+            &sa,
+            to,
+            slice,
+            &pairs(src, dst, first, tokens),
+            Default::default(),
+        )
+    };
+    let err = |to: &CacheSide<'_>, src, dst, first, tokens| {
+        plan(to, src, dst, first, tokens).unwrap_err().to_string()
+    };
     assert!(
-        err.unwrap_err().to_string().contains("smaller must divide"),
+        err(&sb, &[0], &[0], 0, 0..4).contains("smaller must divide"),
         "4 and 6"
     );
     let c = spec(CacheKind::SplitKv, BlockOrder::Hnd, 1, 1, 2, 8, 8);
     let cb = bases(&c, 0x10_0000, 0);
     let sc = CacheSide::new(&c, &cb, 0).unwrap();
-    // 9 tokens need 3 source blocks of 4.
-    let short = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0, 1], &[0, 1], 0, 0..9),
-        Default::default(),
-    );
-    assert!(
-        short
-            .unwrap_err()
-            .to_string()
-            .contains("source block of token")
-    );
+    // 9 tokens need 3 source blocks of 4 ...
+    assert!(err(&sc, &[0, 1], &[0, 1], 0, 0..9).contains("source block of token"));
     // ... and 2 destination blocks of 8.
-    let short = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0, 1, 2], &[0], 0, 0..9),
-        Default::default(),
-    );
-    assert!(
-        short
-            .unwrap_err()
-            .to_string()
-            .contains("destination block of token")
-    );
+    assert!(err(&sc, &[0, 1, 2], &[0], 0, 0..9).contains("destination block of token"));
     // A destination list must start a block.
-    let odd = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0, 1, 2], &[0, 1], 4, 4..9),
-        Default::default(),
-    );
-    assert!(
-        odd.unwrap_err()
-            .to_string()
-            .contains("does not start a 8-token block")
-    );
+    assert!(err(&sc, &[0, 1, 2], &[0, 1], 4, 4..9).contains("does not start a 8-token block"));
     // Tokens before the destination's first.
-    let before = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0, 1, 2], &[0, 1], 8, 4..9),
-        Default::default(),
-    );
-    assert!(before.is_err());
+    assert!(plan(&sc, &[0, 1, 2], &[0, 1], 8, 4..9).is_err());
     // An empty range is an empty plan; a valid one moves 9 tokens in three 4-token units.
-    let empty = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0], &[0], 0, 3..3),
-        Default::default(),
-    );
-    assert!(empty.unwrap().is_empty());
-    let ok = plan_token_transfer(
-        &sa,
-        &sc,
-        slice,
-        &pairs(&[0, 1, 2], &[5, 6], 0, 0..9),
-        Default::default(),
-    )
-    .unwrap();
+    assert!(plan(&sc, &[0], &[0], 0, 3..3).unwrap().is_empty());
+    let ok = plan(&sc, &[0, 1, 2], &[5, 6], 0, 0..9).unwrap();
     assert_eq!(ok.raw_count, 3 * 2);
     // Cross-layer caches are refused by name.
     let x = spec(CacheKind::CrossLayer, BlockOrder::Hnd, 2, 1, 2, 4, 8);
