@@ -724,28 +724,16 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     }
     // A decode of one group loading from this prefill: refused, naming the groups.
     let mut plain = engine("hyb-D1", &model, 1, false, clock(), &mk(f), &no_tune);
-    let mut params = pre
-        .scheduler
-        .request_finished("r2", Some(&asks), true, &[vec![4], vec![7]])
-        .params
-        .expect("params");
-    let meta = pre.scheduler.build_step_meta();
-    pre.workers[0].start_load_kv(&meta);
-    plain
-        .scheduler
-        .after_alloc("r2", &mut params, &[vec![1], vec![2]], 4, None)
-        .expect("after alloc");
-    let meta = plain.scheduler.build_step_meta();
-    plain.workers[0].start_load_kv(&meta);
-    let failed = first_failure(&mut plain);
+    let (handed, local) = ([vec![4], vec![7]], [vec![1], vec![2]]);
+    let failed = failed_handoff(&mut pre, &mut plain, "r2", &handed, &local, 4, None);
     assert!(
-        failed[0]
+        failed
             .reason
             .contains("KV cache groups (layers of each): local one, remote [[0], [1]]"),
         "{}",
-        failed[0].reason
+        failed.reason
     );
-    assert_eq!(failed[0].invalid_blocks, vec![1, 2]);
+    assert_eq!(failed.invalid_blocks, vec![1, 2]);
     plain.caches[0].verify(&[]).expect("nothing written");
 }
 
@@ -788,7 +776,6 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
             .expect("params");
         let meta = pre.scheduler.build_step_meta();
         pre.workers[0].start_load_kv(&meta);
-        let mut unnamed = params.clone();
         dec.scheduler
             .after_alloc(
                 "r",
@@ -853,27 +840,14 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
         assert_eq!(checked, 2 * 2 * (end - first) * 2, "{name}");
         // The same load without its tokens: refused by name, nothing written.
         let mut plain = engine_with(&format!("{name}-E"), &dm, false, &mk(f), &dkv);
-        let mut params = pre
-            .scheduler
-            .request_finished("r2", Some(&asks), true, std::slice::from_ref(&src))
-            .params
-            .expect("params");
-        let meta = pre.scheduler.build_step_meta();
-        pre.workers[0].start_load_kv(&meta);
-        unnamed.remote_request_id = params.remote_request_id.take();
-        plain
-            .scheduler
-            .after_alloc("r2", &mut unnamed, std::slice::from_ref(&dst), 13, None)
-            .expect("after alloc");
-        let meta = plain.scheduler.build_step_meta();
-        plain.workers[0].start_load_kv(&meta);
-        let failed = first_failure(&mut plain);
+        let one = |b: &[u32]| vec![b.to_vec()];
+        let failed = failed_handoff(&mut pre, &mut plain, "r2", &one(&src), &one(&dst), 13, None);
         assert!(
-            failed[0].reason.contains("did not name"),
+            failed.reason.contains("did not name"),
             "{name}: {}",
-            failed[0].reason
+            failed.reason
         );
-        assert_eq!(failed[0].invalid_blocks, dst);
+        assert_eq!(failed.invalid_blocks, dst);
         plain.caches[0].verify(&[]).expect("nothing written");
         // A decode with KV cache groups: token ranges cover one block table, so the
         // handshake refuses the other block size by name.
@@ -882,33 +856,46 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
             ..dm.kv_cache(c)
         };
         let mut hybrid = engine_with(&format!("{name}-G"), &dm, false, &mk(f), &grouped);
-        let mut params = pre
-            .scheduler
-            .request_finished("r3", Some(&asks), true, &[src.clone(), Vec::new()])
-            .params
-            .expect("params");
-        let meta = pre.scheduler.build_step_meta();
-        pre.workers[0].start_load_kv(&meta);
-        hybrid
-            .scheduler
-            .after_alloc(
-                "r3",
-                &mut params,
-                &[dst.clone(), Vec::new()],
-                13,
-                Some(end as usize),
-            )
-            .expect("after alloc");
-        let meta = hybrid.scheduler.build_step_meta();
-        hybrid.workers[0].start_load_kv(&meta);
-        let failed = first_failure(&mut hybrid);
+        let (handed, local) = ([src.clone(), Vec::new()], [dst.clone(), Vec::new()]);
+        let load_end = Some(end as usize);
+        let failed = failed_handoff(&mut pre, &mut hybrid, "r3", &handed, &local, 13, load_end);
         assert!(
-            failed[0]
+            failed
                 .reason
                 .contains("with KV cache groups both sides need the same block size"),
             "{name}: {}",
-            failed[0].reason
+            failed.reason
         );
         hybrid.caches[0].verify(&[]).expect("nothing written");
     }
+}
+
+/// Hands request `req` off from `pre` with `handed` blocks per group, starts its load into
+/// `dec`'s `local` blocks (`external` tokens, ending at `load_end`) and returns its failure.
+fn failed_handoff<T: Transport>(
+    pre: &mut Engine<T>,
+    dec: &mut Engine<T>,
+    req: &str,
+    handed: &[Vec<u32>],
+    local: &[Vec<u32>],
+    external: usize,
+    load_end: Option<usize>,
+) -> FailedLoad {
+    let asks = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let mut params = pre
+        .scheduler
+        .request_finished(req, Some(&asks), true, handed)
+        .params
+        .expect("params");
+    let meta = pre.scheduler.build_step_meta();
+    pre.workers[0].start_load_kv(&meta);
+    dec.scheduler
+        .after_alloc(req, &mut params, local, external, load_end)
+        .expect("after alloc");
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    first_failure(dec).swap_remove(0)
 }
