@@ -29,6 +29,7 @@ fn meta() -> HandshakeMeta {
         kvxfer_layout: None,
         kvxfer_lease_ms: None,
         kvxfer_instance: None,
+        kvxfer_stamps: None,
     }
 }
 

@@ -89,7 +89,10 @@ impl PullScheduler {
     /// without a prefix hit, per KV cache group or flat for one); returns its updated params
     /// JSON. `load_end`: the token the load ends before, which a prefill with another block
     /// size needs (the local blocks receive `[load_end - num_external_tokens, load_end)`).
-    #[pyo3(signature = (req_id, params_json, uncomputed_blocks, num_external_tokens, load_end = None))]
+    /// `content`: what this engine expects the KV to be computed from, as the prefill's
+    /// engine named it in `request_finished` (a stamped reference naming other content
+    /// fails the load).
+    #[pyo3(signature = (req_id, params_json, uncomputed_blocks, num_external_tokens, load_end = None, content = None))]
     fn after_alloc(
         &mut self,
         req_id: &str,
@@ -97,11 +100,19 @@ impl PullScheduler {
         uncomputed_blocks: BlockIds,
         num_external_tokens: usize,
         load_end: Option<usize>,
+        content: Option<u64>,
     ) -> PyResult<String> {
         let mut p = params(Some(params_json))?.unwrap_or_default();
         let blocks = uncomputed_blocks.into_groups();
         self.inner
-            .after_alloc(req_id, &mut p, &blocks, num_external_tokens, load_end)
+            .after_alloc(
+                req_id,
+                &mut p,
+                &blocks,
+                num_external_tokens,
+                load_end,
+                content,
+            )
             .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
         Ok(p.to_json())
     }
@@ -115,19 +126,22 @@ impl PullScheduler {
     /// `(delay_free, params_json or None)` for a request finishing: on the prefill side, whether
     /// its blocks wait for a decode and the params to hand it; on the decode side, it stops
     /// the heartbeats of a request that ended waiting. `block_ids`: per KV cache group, or
-    /// flat for one.
+    /// flat for one. `content`: what the KV was computed from (e.g. a digest of the prompt's
+    /// tokens), written into the hold's stamp for decodes to check.
+    #[pyo3(signature = (req_id, params_json, length_capped, block_ids, content = None))]
     fn request_finished(
         &mut self,
         req_id: &str,
         params_json: Option<&str>,
         length_capped: bool,
         block_ids: BlockIds,
+        content: Option<u64>,
     ) -> PyResult<(bool, Option<String>)> {
         let p = params(params_json)?;
         let blocks = block_ids.into_groups();
         let d = self
             .inner
-            .request_finished(req_id, p.as_ref(), length_capped, &blocks);
+            .request_finished(req_id, p.as_ref(), length_capped, &blocks, content);
         Ok((d.delay_free, d.params.map(|p| p.to_json())))
     }
 }
@@ -392,6 +406,8 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("heartbeats", m.heartbeats)?;
     d.set_item("expired_leases", m.expired_leases)?;
     d.set_item("expired_reads", m.expired_reads)?;
+    d.set_item("verified_references", m.verified_references)?;
+    d.set_item("stale_references", m.stale_references)?;
     d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("lost_connections", m.lost_connections)?;
     d.set_item("peer_restarts", m.peer_restarts)?;

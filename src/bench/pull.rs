@@ -192,8 +192,13 @@ pub(super) fn run(
                 do_remote_decode: true,
                 ..Default::default()
             };
-            let decision =
-                psched.request_finished(&id, Some(&asks), true, std::slice::from_ref(&remote));
+            let decision = psched.request_finished(
+                &id,
+                Some(&asks),
+                true,
+                std::slice::from_ref(&remote),
+                None,
+            );
             let mut params = decision
                 .params
                 .ok_or_else(|| BenchError::Config("prefill did not hold the request".into()))?;
@@ -206,6 +211,7 @@ pub(super) fn run(
                     &mut params,
                     std::slice::from_ref(&local),
                     c.tokens_per_request as usize,
+                    None,
                     None,
                 )
                 .map_err(|e| BenchError::Config(e.to_string()))?;

@@ -110,6 +110,7 @@ fn main() {
             }),
             true,
             std::slice::from_ref(&remote),
+            None,
         );
         prefill.start_load_kv(&psched.build_step_meta());
         let mut params = fin.params.expect("params");
@@ -119,6 +120,7 @@ fn main() {
                 &mut params,
                 std::slice::from_ref(&local),
                 REQ_BLOCKS * 16,
+                None,
                 None,
             )
             .expect("alloc");

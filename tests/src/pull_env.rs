@@ -278,6 +278,9 @@ pub struct Engine<T: Transport> {
     pub scheduler: PullScheduler,
     /// Base port of the listeners.
     pub base_port: u16,
+    /// The content key this engine names for its requests (prefill: in the hold's stamp;
+    /// decode: what its loads expect), none by default.
+    pub content: Option<u64>,
 }
 
 impl<T: Transport> Drop for Engine<T> {
@@ -419,6 +422,7 @@ fn build<T: Transport>(
                 workers,
                 scheduler: PullScheduler::new(name, "127.0.0.1", base),
                 base_port: base,
+                content: None,
             });
         }
     }
@@ -438,6 +442,7 @@ impl<T: Transport> Engine<T> {
             Some(&p),
             true,
             std::slice::from_ref(&blocks.to_vec()),
+            self.content,
         );
         assert!(d.delay_free);
         let meta = self.scheduler.build_step_meta();
@@ -457,7 +462,14 @@ impl<T: Transport> Engine<T> {
     ) -> StepMeta {
         let mut p = params.clone();
         self.scheduler
-            .after_alloc(req_id, &mut p, &[local.to_vec()], external_tokens, None)
+            .after_alloc(
+                req_id,
+                &mut p,
+                &[local.to_vec()],
+                external_tokens,
+                None,
+                self.content,
+            )
             .expect("after alloc");
         let meta = self.scheduler.build_step_meta();
         for w in &mut self.workers {

@@ -32,6 +32,7 @@ fn handshake() -> HandshakeMeta {
         kvxfer_layout: None,
         kvxfer_lease_ms: Some(30_000),
         kvxfer_instance: Some(1),
+        kvxfer_stamps: None,
     }
 }
 

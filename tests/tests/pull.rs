@@ -385,7 +385,7 @@ fn a_request_waiting_for_blocks_keeps_the_lease_until_it_loads_or_ends() {
     }
     // "r" loads; the prefill frees its blocks on the read note, not by lease.
     dec.scheduler
-        .request_finished("q", Some(&orphan), false, &[]);
+        .request_finished("q", Some(&orphan), false, &[], None);
     let meta = dec.start_load("r", &params, &[2], 4);
     assert_eq!(meta.unwait, vec!["q".to_string()]);
     poll_until(&mut [&mut dec], |_, f| !f[0].recving.is_empty());
@@ -423,7 +423,7 @@ fn a_wait_ended_within_its_step_is_not_heartbeated() {
         .tokens_to_load("q", Some(&params), 4, 0)
         .unwrap();
     dec.scheduler
-        .request_finished("q", Some(&params), false, &[]);
+        .request_finished("q", Some(&params), false, &[], None);
     let meta = dec.scheduler.build_step_meta();
     assert_eq!((meta.wait.len(), meta.unwait.len()), (1, 1));
     dec.workers[0].start_load_kv(&meta);
@@ -490,11 +490,13 @@ fn a_request_waiting_on_a_connected_prefill_is_heartbeated_on_arrival() {
     dec.workers[0].start_load_kv(&meta);
     connected_ahead(&mut dec);
     assert!(pre.poll()[0].sending.is_empty()); // takes a's heartbeat at 0 s
-    dec.scheduler.request_finished("a", Some(&a), false, &[]);
+    dec.scheduler
+        .request_finished("a", Some(&a), false, &[], None);
     manual.advance(Duration::from_secs(4));
     dec.scheduler.tokens_to_load("r", Some(&r), 4, 0).unwrap();
     dec.scheduler.tokens_to_load("q", Some(&q), 4, 0).unwrap();
-    dec.scheduler.request_finished("q", Some(&q), false, &[]);
+    dec.scheduler
+        .request_finished("q", Some(&q), false, &[], None);
     let meta = dec.scheduler.build_step_meta();
     assert_eq!((meta.wait.len(), meta.unwait.len()), (2, 2));
     dec.workers[0].start_load_kv(&meta);
@@ -735,9 +737,10 @@ fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
         };
         let w = PullWorker::new(lb("spans-D"), config, kv, clock()).expect("worker");
         let (.., regions) = w.transport().resource_counts();
+        // Besides the cache: the stamp table and the stamp READs' scratch.
         assert_eq!(
             regions,
-            spans,
+            spans + 2,
             "bases at {:?}",
             bases.iter().map(|x| x - b).collect::<Vec<_>>()
         );

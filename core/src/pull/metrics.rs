@@ -36,6 +36,12 @@ pub struct PullMetrics {
     pub expired_leases: u64,
     /// Decode side: loads declined because a stock prefill frees their blocks too soon.
     pub expired_reads: u64,
+    /// Decode side: loads whose stamped reference the prefill's stamp table confirmed after
+    /// the blocks were read.
+    pub verified_references: u64,
+    /// Decode side: loads failed because the prefill's stamp table refuted their reference
+    /// (consumed, expired, superseded, or computed for another prompt).
+    pub stale_references: u64,
     /// Loads refused because one of the same request id was already in flight.
     pub refused_loads: u64,
     /// Cached connections to a prefill engine dropped after a failed transfer or a peer
@@ -108,6 +114,8 @@ impl PullMetrics {
         self.heartbeats += o.heartbeats;
         self.expired_leases += o.expired_leases;
         self.expired_reads += o.expired_reads;
+        self.verified_references += o.verified_references;
+        self.stale_references += o.stale_references;
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
         self.peer_restarts += o.peer_restarts;
@@ -145,6 +153,8 @@ mod tests {
             heartbeats: n,
             expired_leases: n,
             expired_reads: n,
+            verified_references: n,
+            stale_references: n,
             refused_loads: n,
             lost_connections: n,
             peer_restarts: n,

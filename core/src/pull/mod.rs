@@ -12,10 +12,11 @@ pub mod holds;
 mod metrics;
 pub mod notify;
 mod scheduler;
+pub mod stamps;
 mod worker;
 
 pub use aggregate::{FinishedAggregator, LocalAggregator};
 pub use config::{FailurePolicy, KvCache, PullConfig, VllmCompat};
 pub use metrics::{BackendTelemetry, PullMetrics};
-pub use scheduler::{FinishDecision, PullScheduler, RecvRequest, StepMeta};
+pub use scheduler::{FinishDecision, Hold, PullScheduler, RecvRequest, StepMeta};
 pub use worker::{FailedLoad, Finished, IDLE_POLL, LoadRefused, PullError, PullWorker};

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
+use super::stamps::{Generations, Stamp};
 use crate::wire::WireError;
 use crate::wire::handshake::PROTOCOL_VERSION;
 use crate::wire::params::{KvTransferParams, PeerProtocol};
@@ -42,6 +43,11 @@ pub struct RecvRequest {
     /// different number of tokens needs, since it maps token ranges, not block ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<[u64; 2]>,
+    /// The stamp the prefill's slot must hold once the blocks are read (its generation from
+    /// the reference, the content this engine expects): absent for a prefill that does not
+    /// stamp its references.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stamp: Option<Stamp>,
 }
 
 /// One KV cache group's blocks of a load: the prefill's read, the local ones filled.
@@ -104,7 +110,7 @@ pub struct StepMeta {
     /// Loads to start (decode side).
     pub recv: Vec<RecvRequest>,
     /// Requests whose blocks the prefill now holds for a remote decode (prefill side).
-    pub hold: Vec<String>,
+    pub hold: Vec<Hold>,
     /// Requests that began waiting for blocks to load into (decode side): the workers
     /// heartbeat the prefill's lease for them, and handshake ahead, until a load in `recv`
     /// or `unwait` names them. Block ids are empty: nothing is read yet.
@@ -113,6 +119,16 @@ pub struct StepMeta {
     /// Waiting requests that ended without a load (aborted): heartbeats stop.
     #[serde(default)]
     pub unwait: Vec<String>,
+}
+
+/// A request whose blocks the prefill's workers hold, with the stamp each writes into its
+/// table for as long as the hold lasts (see [`crate::pull::stamps`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// Request id.
+    pub req_id: String,
+    /// Its stamp: the generation its reference carries, and its content key.
+    pub stamp: Stamp,
 }
 
 /// The outcome of a finished request on the prefill side.
@@ -135,6 +151,7 @@ pub struct PullScheduler {
     /// Requests in `pending.wait` of some step and not yet loading or ended.
     waiting: HashSet<String>,
     tp_size: u32,
+    generations: Generations,
 }
 
 impl PullScheduler {
@@ -148,6 +165,7 @@ impl PullScheduler {
             triggered: HashSet::new(),
             waiting: HashSet::new(),
             tp_size: 1,
+            generations: Generations::random(),
         }
     }
 
@@ -197,8 +215,11 @@ impl PullScheduler {
     /// without a local prefix hit, per KV cache group; with `num_external_tokens == 0` (full
     /// prefix hit) the prefill is only notified. `load_end`, where given, is the token the
     /// load ends before (the local blocks then receive `[load_end - num_external_tokens,
-    /// load_end)`), which lets a prefill with another block size serve the load. Triggers at
-    /// most one transfer per request.
+    /// load_end)`), which lets a prefill with another block size serve the load. `content`
+    /// is what this engine expects the KV to be computed from, in the same terms as the
+    /// prefill's engine named it at [`PullScheduler::request_finished`] (kvxfer.vllm: a
+    /// digest of the prompt's tokens): a stamped reference whose hold names other content
+    /// fails the load. Triggers at most one transfer per request.
     pub fn after_alloc(
         &mut self,
         req_id: &str,
@@ -206,6 +227,7 @@ impl PullScheduler {
         uncomputed_blocks: &[Vec<u32>],
         num_external_tokens: usize,
         load_end: Option<usize>,
+        content: Option<u64>,
     ) -> Result<(), WireError> {
         if !params.do_remote_prefill || self.triggered.contains(req_id) {
             return Ok(());
@@ -222,6 +244,10 @@ impl PullScheduler {
         recv.tokens = load_end
             .filter(|_| num_external_tokens > 0)
             .and_then(|end| Some([end.checked_sub(num_external_tokens)? as u64, end as u64]));
+        recv.stamp = params.kvxfer_stamp.map(|generation| Stamp {
+            generation,
+            content: content.unwrap_or(0),
+        });
         self.pending.recv.push(recv);
         self.triggered.insert(req_id.into());
         params.do_remote_prefill = false;
@@ -236,13 +262,15 @@ impl PullScheduler {
     /// Decides, when a request finishes on the prefill side, whether its blocks are held
     /// for a remote decode and what parameters the decode needs. Only requests asking for
     /// remote decode that stopped because of the length cap (prefill-only) qualify.
-    /// `block_ids` are the request's blocks per KV cache group.
+    /// `block_ids` are the request's blocks per KV cache group; `content`, what the KV was
+    /// computed from (see [`PullScheduler::after_alloc`]), goes into the hold's stamp.
     pub fn request_finished(
         &mut self,
         req_id: &str,
         params: Option<&KvTransferParams>,
         length_capped: bool,
         block_ids: &[Vec<u32>],
+        content: Option<u64>,
     ) -> FinishDecision {
         self.triggered.remove(req_id);
         if self.waiting.remove(req_id) {
@@ -256,8 +284,15 @@ impl PullScheduler {
             };
         }
         let delay_free = block_ids.iter().any(|g| !g.is_empty());
-        if delay_free {
-            self.pending.hold.push(req_id.into());
+        let stamp = delay_free.then(|| Stamp {
+            generation: self.generations.draw(),
+            content: content.unwrap_or(0),
+        });
+        if let Some(stamp) = stamp {
+            self.pending.hold.push(Hold {
+                req_id: req_id.into(),
+                stamp,
+            });
         }
         FinishDecision {
             delay_free,
@@ -275,6 +310,7 @@ impl PullScheduler {
                 transfer_mode: Some("pull".into()),
                 remote_blocks_expiry_time: None,
                 kvxfer_protocol: Some(PROTOCOL_VERSION),
+                kvxfer_stamp: stamp.map(|s| s.generation),
             }),
         }
     }
@@ -302,6 +338,7 @@ fn recv_request(
         remote_tp_size: params.tp_size,
         remote_expiry: params.remote_blocks_expiry_time.clone(),
         tokens: None,
+        stamp: None,
     }
 }
 
@@ -359,14 +396,14 @@ mod tests {
         let mut p = remote(&[7, 8, 9]);
         // 40 tokens with 16-token blocks: 2.5 blocks, all loaded.
         assert_eq!(s.tokens_to_load("r1", Some(&p), 40, 0), Ok((40, true)));
-        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None)
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None, None)
             .unwrap();
         let meta = s.build_step_meta();
         assert_eq!(meta.recv.len(), 1);
         assert_eq!(meta.recv[0].local_block_ids, vec![vec![1, 2, 3]]);
         assert_eq!(meta.recv[0].remote_block_ids, vec![vec![7, 8, 9]]);
         // Only one transfer per request, and the meta was taken.
-        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None)
+        s.after_alloc("r1", &mut p, &[vec![1, 2, 3]], 40, None, None)
             .unwrap();
         assert!(s.build_step_meta().recv.is_empty());
         assert!(!p.do_remote_prefill);
@@ -419,17 +456,17 @@ mod tests {
         assert_eq!((wait.engine_id.as_str(), wait.port), ("P", 5600));
         assert!(wait.remote_block_ids.is_empty() && wait.local_block_ids.is_empty());
         // Loading ends the wait without an unwait; asking again after that is no new wait.
-        s.after_alloc("r", &mut p.clone(), &[vec![1, 2]], 20, None)
+        s.after_alloc("r", &mut p.clone(), &[vec![1, 2]], 20, None, None)
             .unwrap();
         s.tokens_to_load("r", Some(&p), 20, 0).unwrap();
         let meta = s.build_step_meta();
         assert_eq!((meta.recv.len(), meta.wait.len()), (1, 0));
-        s.request_finished("r", Some(&p), false, &[vec![1, 2]]);
+        s.request_finished("r", Some(&p), false, &[vec![1, 2]], None);
         assert!(s.build_step_meta().unwait.is_empty());
         // Ending while waiting stops the heartbeats, once.
         s.tokens_to_load("q", Some(&p), 20, 0).unwrap();
-        s.request_finished("q", Some(&p), false, &[vec![]]);
-        s.request_finished("q", Some(&p), false, &[vec![]]);
+        s.request_finished("q", Some(&p), false, &[vec![]], None);
+        s.request_finished("q", Some(&p), false, &[vec![]], None);
         let meta = s.build_step_meta();
         assert_eq!((meta.wait.len(), meta.unwait), (1, vec!["q".to_string()]));
     }
@@ -456,7 +493,8 @@ mod tests {
         let mut p = remote(&[7]);
         p.do_remote_prefill = false;
         assert_eq!(s.tokens_to_load("r", Some(&p), 40, 0), Ok((0, false)));
-        s.after_alloc("r", &mut p, &[vec![1]], 16, None).unwrap();
+        s.after_alloc("r", &mut p, &[vec![1]], 16, None, None)
+            .unwrap();
         assert_eq!(s.build_step_meta(), StepMeta::default());
     }
 
@@ -465,9 +503,9 @@ mod tests {
     #[test]
     fn a_request_triggers_once_whatever_params_it_brings() {
         let mut s = PullScheduler::new("D", "h", 1);
-        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None)
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None, None)
             .unwrap();
-        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None)
+        s.after_alloc("r", &mut remote(&[7]), &[vec![1]], 16, None, None)
             .unwrap();
         assert_eq!(s.build_step_meta().recv.len(), 1);
     }
@@ -477,9 +515,10 @@ mod tests {
         let mut s = PullScheduler::new("D", "h", 1);
         let mut p = remote(&[7, 8, 9]);
         // A full hit loads nothing, whatever blocks the engine passes.
-        s.after_alloc("full", &mut p, &[vec![4]], 0, None).unwrap();
+        s.after_alloc("full", &mut p, &[vec![4]], 0, None, None)
+            .unwrap();
         let mut q = remote(&[7, 8, 9]);
-        s.after_alloc("partial", &mut q, &[vec![5]], 16, None)
+        s.after_alloc("partial", &mut q, &[vec![5]], 16, None, None)
             .unwrap();
         let meta = s.build_step_meta();
         assert!(meta.recv[0].local_block_ids.is_empty());
@@ -489,7 +528,7 @@ mod tests {
             ..Default::default()
         };
         assert!(
-            s.after_alloc("bad", &mut bad, &[vec![1]], 16, None)
+            s.after_alloc("bad", &mut bad, &[vec![1]], 16, None, None)
                 .is_err()
         );
     }
@@ -501,20 +540,44 @@ mod tests {
             do_remote_decode: true,
             ..Default::default()
         };
-        let d = s.request_finished("r", Some(&p), true, &[vec![4, 5]]);
+        let d = s.request_finished("r", Some(&p), true, &[vec![4, 5]], Some(9));
         assert!(d.delay_free);
-        let out = d.params.unwrap();
+        let mut out = d.params.unwrap();
         assert_eq!(out.remote_block_ids, Some(vec![vec![4, 5]]));
         assert_eq!(out.remote_engine_id.as_deref(), Some("P"));
-        assert_eq!(s.build_step_meta().hold, vec!["r".to_string()]);
+        // The hold's stamp: the generation its reference carries, the engine's content.
+        let generation = out.kvxfer_stamp.unwrap();
+        let stamp = Stamp {
+            generation,
+            content: 9,
+        };
+        let hold = s.build_step_meta().hold;
+        assert_eq!(
+            hold,
+            vec![Hold {
+                req_id: "r".into(),
+                stamp
+            }]
+        );
+        // The decode expects that stamp, with the content it names.
+        let mut dec = PullScheduler::new("D", "h", 1);
+        dec.after_alloc("r", &mut out, &[vec![1]], 20, None, Some(9))
+            .unwrap();
+        assert_eq!(dec.build_step_meta().recv[0].stamp, Some(stamp));
+        // Each hold has its own generation.
+        let again = s.request_finished("r1", Some(&p), true, &[vec![6]], None);
+        assert_ne!(again.params.unwrap().kvxfer_stamp, Some(generation));
         // Not length capped (aborted) or not remote: free immediately.
         assert!(
-            !s.request_finished("r2", Some(&p), false, &[vec![1]])
+            !s.request_finished("r2", Some(&p), false, &[vec![1]], None)
                 .delay_free
         );
-        assert!(!s.request_finished("r3", None, true, &[vec![1]]).delay_free);
         assert!(
-            !s.request_finished("r4", Some(&p), true, &[vec![], vec![]])
+            !s.request_finished("r3", None, true, &[vec![1]], None)
+                .delay_free
+        );
+        assert!(
+            !s.request_finished("r4", Some(&p), true, &[vec![], vec![]], None)
                 .delay_free
         );
     }
@@ -528,12 +591,12 @@ mod tests {
             do_remote_decode: true,
             ..Default::default()
         };
-        let d = s.request_finished("r", Some(&p), true, &[vec![], vec![9]]);
+        let d = s.request_finished("r", Some(&p), true, &[vec![], vec![9]], None);
         assert!(d.delay_free);
         let mut out = d.params.unwrap();
         assert_eq!(out.remote_block_ids, Some(vec![vec![], vec![9]]));
         let mut dec = PullScheduler::new("D", "h", 1);
-        dec.after_alloc("r", &mut out, &[vec![3], vec![4]], 40, None)
+        dec.after_alloc("r", &mut out, &[vec![3], vec![4]], 40, None, None)
             .unwrap();
         let recv = dec.build_step_meta().recv;
         assert_eq!(recv[0].local_block_ids, vec![vec![3], vec![4]]);
@@ -553,6 +616,7 @@ mod tests {
             remote_tp_size: None,
             remote_expiry: None,
             tokens: None,
+            stamp: None,
         }
     }
 
@@ -571,7 +635,7 @@ mod tests {
                 remote_port: Some(1),
                 ..Default::default()
             };
-            s.after_alloc("r", &mut p, &[vec![7, 8]], external, end)
+            s.after_alloc("r", &mut p, &[vec![7, 8]], external, end, None)
                 .unwrap();
             s.build_step_meta().recv[0].tokens
         };

@@ -62,6 +62,11 @@ pub struct HandshakeMeta {
     /// rank is a restarted engine, whose blocks and registrations are not the old ones'.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_instance: Option<u64>,
+    /// Where the rank's stamp table lies (`kvxfer_core::pull::stamps`): its references carry
+    /// a generation whose slot a decode reads after the blocks. Absent: references are not
+    /// stamped (older kvxfer, stock peers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_stamps: Option<u64>,
 }
 
 /// A cache spec on the wire, with the model-wide facts a compatibility check needs.
@@ -249,6 +254,7 @@ mod tests {
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(30_000),
             kvxfer_instance: Some(7),
+            kvxfer_stamps: Some(4096),
         }
     }
 

@@ -65,6 +65,11 @@ pub struct KvTransferParams {
     /// kvxfer's handshake version, which kvxfer prefills set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_protocol: Option<u32>,
+    /// The generation of the prefill's hold, from a kvxfer prefill that stamps its references
+    /// (its handshake names its stamp table): the decode checks the table's slot for it
+    /// after reading (see `kvxfer_core::pull::stamps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_stamp: Option<u64>,
 }
 
 /// Which handshake a decode speaks to the prefill named in its params.

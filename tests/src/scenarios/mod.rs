@@ -6,6 +6,7 @@
 
 pub mod pull;
 pub mod push;
+pub mod stamped;
 
 /// Generates one `#[test]` per pull scenario. `$run` is called as `$run(case, body)` and
 /// calls `body(&factory)` (or prints why it skips).
@@ -22,7 +23,10 @@ macro_rules! pull_scenarios {
             compat_enforcement_can_be_disabled, setup_failure_returns_invalid_blocks,
             per_layer_windows_move_only_the_last_blocks, hybrid_groups_move_each_groups_blocks,
             a_failed_setup_is_reported_only_after_its_posted_reads_ended,
-            a_prefill_with_another_block_size_is_read_by_token_ranges);
+            a_prefill_with_another_block_size_is_read_by_token_ranges,
+            consumed_foreign_and_unstamped_references_fail_their_loads,
+            an_expired_lease_refutes_its_reference,
+            the_prefill_holds_the_blocks_until_their_stamp_was_read);
     };
 }
 

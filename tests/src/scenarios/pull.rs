@@ -18,6 +18,12 @@ use crate::conformance::TransportFactory;
 use crate::faulty::{Faulty, REFUSED};
 use crate::pull_env::{Engine, Model, engine, poll_until};
 
+pub use super::stamped::{
+    an_expired_lease_refutes_its_reference,
+    consumed_foreign_and_unstamped_references_fail_their_loads,
+    the_prefill_holds_the_blocks_until_their_stamp_was_read,
+};
+
 /// The factory as the maker `engine` takes.
 pub fn mk<F: TransportFactory>(f: &F) -> impl Fn(&str) -> F::T + '_ {
     move |name| f.create(name)
@@ -670,12 +676,19 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     // Group 1 (the window) holds fewer blocks than group 0; its local blocks take the tail.
     let decision =
         pre.scheduler
-            .request_finished("r", Some(&asks), true, &[vec![1, 2, 3], vec![5, 6]]);
+            .request_finished("r", Some(&asks), true, &[vec![1, 2, 3], vec![5, 6]], None);
     let mut params = decision.params.expect("params");
     let meta = pre.scheduler.build_step_meta();
     pre.workers[0].start_load_kv(&meta);
     dec.scheduler
-        .after_alloc("r", &mut params, &[vec![8, 9, 10], vec![12]], 12, None)
+        .after_alloc(
+            "r",
+            &mut params,
+            &[vec![8, 9, 10], vec![12]],
+            12,
+            None,
+            None,
+        )
         .expect("after alloc");
     let meta = dec.scheduler.build_step_meta();
     dec.workers[0].start_load_kv(&meta);
@@ -771,7 +784,7 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
         // token's block, and the decode aligns it there.
         let mut params = pre
             .scheduler
-            .request_finished("r", Some(&asks), true, &[src[1..].to_vec()])
+            .request_finished("r", Some(&asks), true, &[src[1..].to_vec()], None)
             .params
             .expect("params");
         let meta = pre.scheduler.build_step_meta();
@@ -783,6 +796,7 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
                 std::slice::from_ref(&dst),
                 (end - first) as usize,
                 Some(end as usize),
+                None,
             )
             .expect("after alloc");
         let meta = dec.scheduler.build_step_meta();
@@ -887,13 +901,13 @@ fn failed_handoff<T: Transport>(
     };
     let mut params = pre
         .scheduler
-        .request_finished(req, Some(&asks), true, handed)
+        .request_finished(req, Some(&asks), true, handed, None)
         .params
         .expect("params");
     let meta = pre.scheduler.build_step_meta();
     pre.workers[0].start_load_kv(&meta);
     dec.scheduler
-        .after_alloc(req, &mut params, local, external, load_end)
+        .after_alloc(req, &mut params, local, external, load_end, None)
         .expect("after alloc");
     let meta = dec.scheduler.build_step_meta();
     dec.workers[0].start_load_kv(&meta);

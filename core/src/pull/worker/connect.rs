@@ -330,6 +330,7 @@ impl<T: Transport> PullWorker<T> {
             lease_aware: meta.kvxfer_lease_ms.is_some() || native.is_some(),
             lists: None,
             instance: meta.kvxfer_instance,
+            stamps: meta.kvxfer_stamps.filter(|_| native.is_none()),
             stock: native.is_some(),
             groups,
         };
@@ -437,6 +438,8 @@ impl<T: Transport> PullWorker<T> {
                 for (x, _) in load.xfers {
                     let _ = self.transport.release(x);
                 }
+                self.scratch
+                    .give_back(load.checking.iter().map(|&(s, _)| s).collect());
                 let why = load.failed.unwrap_or_else(|| {
                     format!("transfer failed: connection to {engine_id} lost: {reason}")
                 });

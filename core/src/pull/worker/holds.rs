@@ -5,16 +5,34 @@
 
 use super::PullWorker;
 use crate::pull::notify;
+use crate::pull::scheduler::Hold;
 use crate::tally::Tally;
 use crate::transport::Transport;
 
 impl<T: Transport> PullWorker<T> {
     /// Holds each finished request's blocks for its readers, counting the notes that came
     /// before the hold.
-    pub(super) fn start_holds(&mut self, hold: &[String]) {
+    /// Each hold's stamp is in the table before the hold starts, and stays until
+    /// [`PullWorker::unstamp_freed`] sees the request freed.
+    pub(super) fn start_holds(&mut self, hold: &[Hold]) {
         let now = self.clock.now();
-        for req_id in hold {
-            self.holds.hold(req_id, now, &mut self.finished.sending);
+        for h in hold {
+            if let Some(old) = self.stamped.insert(h.req_id.clone(), h.stamp) {
+                // Held again: the new reference replaces the old one.
+                self.stamps.clear(old);
+            }
+            self.stamps.set(h.stamp);
+            self.holds.hold(&h.req_id, now, &mut self.finished.sending);
+        }
+    }
+
+    /// Clears the stamps of the requests about to be reported free, so that a decode reading
+    /// their blocks from now on (the engine may reuse them) finds its reference refuted.
+    pub(super) fn unstamp_freed(&mut self) {
+        for id in &self.finished.sending {
+            if let Some(stamp) = self.stamped.remove(id) {
+                self.stamps.clear(stamp);
+            }
         }
     }
 

@@ -8,14 +8,14 @@ use kvxfer_layout::{
     plan_token_transfer_into, plan_transfer_into,
 };
 
-use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank};
+use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank, Verify};
 use crate::plan::append_for;
 use crate::pull::block_lists;
 use crate::pull::config::KvCache;
 use crate::pull::notify;
 use crate::pull::scheduler::{GroupPairs, RecvRequest};
 use crate::tally::Tally;
-use crate::transport::{Op, Transport, XferId, XferStatus};
+use crate::transport::{MemoryKind, Op, Transport, XferId, XferStatus};
 
 impl<T: Transport> PullWorker<T> {
     pub(super) fn issue(&mut self, req: RecvRequest) {
@@ -25,7 +25,8 @@ impl<T: Transport> PullWorker<T> {
             return;
         }
         let start = self.clock.now();
-        match self.post_reads(&req) {
+        let mut verify = Vec::new();
+        match self.post_reads(&req, &mut verify) {
             Ok(xfers) => {
                 self.metrics
                     .post_time
@@ -35,14 +36,9 @@ impl<T: Transport> PullWorker<T> {
                 } else {
                     let posted = self.clock.now();
                     let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
-                    self.loads.insert(
-                        req.req_id.clone(),
-                        Load {
-                            req,
-                            xfers,
-                            failed: None,
-                        },
-                    );
+                    let mut load = Load::new(req, xfers, None);
+                    load.verify = verify;
+                    self.loads.insert(load.req.req_id.clone(), load);
                 }
             }
             Err((reason, posted)) => {
@@ -54,24 +50,22 @@ impl<T: Transport> PullWorker<T> {
                     // READs posted before the failure may still land in the blocks: the load
                     // is reported failed once they ended (poll_loads), never before.
                     let now = self.clock.now();
-                    self.loads.insert(
-                        req.req_id.clone(),
-                        Load {
-                            req,
-                            xfers: posted.into_iter().map(|x| (x, now)).collect(),
-                            failed: Some(reason),
-                        },
-                    );
+                    let xfers = posted.into_iter().map(|x| (x, now)).collect();
+                    self.loads
+                        .insert(req.req_id.clone(), Load::new(req, xfers, Some(reason)));
                 }
                 self.drop_if_peer_failed(&engine_id);
             }
         }
     }
     /// Posts one READ per data link (and notifications for the rest); on error returns
-    /// the reason and the transfers already posted (to be released once they end).
+    /// the reason and the transfers already posted (to be released once they end). A data
+    /// link to a rank that stamps its references posts without its note, which `verify`
+    /// gets for the stamp READ that follows the data.
     pub(super) fn post_reads(
         &mut self,
         req: &RecvRequest,
+        verify: &mut Vec<Verify>,
     ) -> Result<Vec<XferId>, (String, Vec<XferId>)> {
         let Some(Engine::Ready { mapping, ranks, .. }) = self.engines.get(&req.engine_id) else {
             return Err((
@@ -106,6 +100,18 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             };
+            // A stamping rank's data READ goes without its note: the stamp READ carries it.
+            let stamped = rank.stamps.is_some() && matches!(link.kind, LinkKind::Data(_));
+            if stamped && req.stamp.is_none() {
+                return Err((
+                    format!(
+                        "prefill rank {} stamps its references and this one has no stamp (not handed out by that prefill)",
+                        link.prefill_rank
+                    ),
+                    posted,
+                ));
+            }
+            let data_note = (!stamped).then_some(note.as_slice());
             // Prepared lists describe one block table: single-group caches only.
             let single = match pairs.as_slice() {
                 [one] => Some(*one),
@@ -132,10 +138,16 @@ impl<T: Transport> PullWorker<T> {
                             &self.indices.0,
                             lists.remote,
                             &self.indices.1,
-                            Some(&note),
+                            data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
+                    if stamped {
+                        verify.push(Verify {
+                            rank: link.prefill_rank,
+                            note: note.clone(),
+                        });
+                    }
                     let pairs = local.len() as u64;
                     self.metrics.transfers.tally(1);
                     self.metrics.indexed_transfers.tally(1);
@@ -183,10 +195,16 @@ impl<T: Transport> PullWorker<T> {
                             kinds,
                             &self.ranges.0,
                             &self.ranges.1,
-                            Some(&note),
+                            data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
+                    if stamped {
+                        verify.push(Verify {
+                            rank: link.prefill_rank,
+                            note: note.clone(),
+                        });
+                    }
                     self.metrics.transfers.tally(1);
                     self.metrics.bytes.tally(bytes);
                     self.metrics.descriptors_raw.tally(raw);
@@ -223,6 +241,8 @@ impl<T: Transport> PullWorker<T> {
         let mut lost: Vec<(String, String)> = Vec::new();
         for (id, load) in &mut self.loads {
             let had_failed = load.failed.is_some();
+            // Stamp READs are not counted with the data (`transfers`, `bytes` neither).
+            let data = load.checking.is_empty();
             let mut still = Vec::with_capacity(load.xfers.len());
             for &(x, posted) in &load.xfers {
                 match self.transport.status(x) {
@@ -240,9 +260,11 @@ impl<T: Transport> PullWorker<T> {
                     }
                     Ok(XferStatus::InProgress) => still.push((x, posted)),
                     Ok(XferStatus::Done) => {
-                        self.metrics.transfer_time.tally(now.saturating_sub(posted));
-                        if let Some(t) = self.transport.telemetry(x) {
-                            self.metrics.backend.add(&t);
+                        if data {
+                            self.metrics.transfer_time.tally(now.saturating_sub(posted));
+                            if let Some(t) = self.transport.telemetry(x) {
+                                self.metrics.backend.add(&t);
+                            }
                         }
                         let _ = self.transport.release(x);
                     }
@@ -270,10 +292,7 @@ impl<T: Transport> PullWorker<T> {
         }
         for id in ended {
             if let Some(load) = self.loads.remove(&id) {
-                match load.failed {
-                    None => self.finished.recving.push(id),
-                    Some(reason) => self.fail(load.req, reason),
-                }
+                self.end_phase(load);
             }
         }
         // A failed transfer means the prefill died, restarted or became unreachable: its
@@ -282,6 +301,106 @@ impl<T: Transport> PullWorker<T> {
             self.lose_engine(&engine_id, &reason);
         }
     }
+    /// A load whose transfers all ended: its data READs, then (stamped references) its
+    /// stamp READs are posted, or it is checked and reported.
+    fn end_phase(&mut self, mut load: Load) {
+        if load.failed.is_none() && !load.verify.is_empty() {
+            match self.post_stamp_reads(&mut load) {
+                Ok(true) => {}
+                // Scratch slots all lent: the next poll tries again.
+                Ok(false) => {}
+                Err(reason) => {
+                    self.metrics.failed_setups.tally(1);
+                    load.failed = Some(reason);
+                }
+            }
+            if !load.xfers.is_empty() || (load.failed.is_none() && !load.verify.is_empty()) {
+                self.loads.insert(load.req.req_id.clone(), load);
+                return;
+            }
+        }
+        let checking = std::mem::take(&mut load.checking);
+        if load.failed.is_none() {
+            load.failed = self.check_stamps(&load.req, &checking);
+        }
+        self.scratch
+            .give_back(checking.into_iter().map(|(s, _)| s).collect());
+        match load.failed {
+            None => self.finished.recving.push(load.req.req_id),
+            Some(reason) => self.fail(load.req, reason),
+        }
+    }
+
+    /// Posts the stamp READs of a load whose data READs completed, each with its read-done
+    /// note; false while the scratch has too few free slots. On error the READs posted so
+    /// far stay in `load.xfers`.
+    fn post_stamp_reads(&mut self, load: &mut Load) -> Result<bool, String> {
+        let Some(stamp) = load.req.stamp else {
+            return Err("stamped ranks but no stamp".into());
+        };
+        let Some(slots) = self.scratch.take(load.verify.len()) else {
+            return Ok(false);
+        };
+        let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+            self.scratch.give_back(slots);
+            return Err(format!("engine {} is not connected", load.req.engine_id));
+        };
+        let now = self.clock.now();
+        let verify = std::mem::take(&mut load.verify);
+        let mut unused = slots.into_iter();
+        for v in verify {
+            let slot = unused.next().unwrap_or_default();
+            let remote = ranks
+                .get(&v.rank)
+                .and_then(|r| Some((r.peer, r.stamps?)))
+                .and_then(|(peer, base)| {
+                    Some((
+                        peer,
+                        crate::pull::stamps::StampTable::slot_range(base, stamp.generation)?,
+                    ))
+                });
+            let Some((peer, remote)) = remote else {
+                self.scratch
+                    .give_back(std::iter::once(slot).chain(unused).collect());
+                return Err(format!("prefill rank {} has no stamp table", v.rank));
+            };
+            let local = self.scratch.slot_range(slot);
+            let host = (MemoryKind::Host, MemoryKind::Host);
+            match self
+                .transport
+                .post(Op::Read, peer, host, &[local], &[remote], Some(&v.note))
+            {
+                Ok(x) => {
+                    load.xfers.push((x, now));
+                    load.checking.push((slot, v.rank));
+                }
+                Err(e) => {
+                    self.scratch
+                        .give_back(std::iter::once(slot).chain(unused).collect());
+                    return Err(format!("reading prefill rank {}'s stamp: {e}", v.rank));
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Checks what each stamp READ found against the reference's stamp: the reason of the
+    /// first refutation, counted, or none.
+    fn check_stamps(&mut self, req: &RecvRequest, checking: &[(u32, u32)]) -> Option<String> {
+        let stamp = req.stamp?;
+        for &(slot, rank) in checking {
+            if let Err(e) = crate::pull::stamps::check(self.scratch.read(slot), stamp) {
+                self.metrics.stale_references.tally(1);
+                tracing::warn!(req = %req.req_id, engine = %req.engine_id, rank, "{e}: the blocks read are discarded");
+                return Some(format!("stale reference: prefill rank {rank}: {e}"));
+            }
+        }
+        if !checking.is_empty() {
+            self.metrics.verified_references.tally(1);
+        }
+        None
+    }
+
     /// A stock prefill's expiry for the request's blocks, converted with the handshake's clock
     /// offset, falls within [`super::vllm::EXPIRY_MARGIN`] of now: reading could race the free.
     fn expired_at_prefill(&self, req: &RecvRequest) -> Option<String> {

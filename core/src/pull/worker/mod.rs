@@ -23,9 +23,12 @@ use super::config::{FailurePolicy, KvCache, PullConfig};
 use super::holds::Holds;
 use super::metrics::PullMetrics;
 use super::scheduler::{RecvRequest, StepMeta};
+use super::stamps::{Scratch, Stamp, StampTable};
 use crate::clock::Clock;
 use crate::sidechannel::{KnownReaders, Listener, side_channel_port};
-use crate::transport::{AddrRange, PeerId, Registration, Transport, TransportError, XferId};
+use crate::transport::{
+    AddrRange, MemoryKind, PeerId, Registration, Transport, TransportError, XferId,
+};
 use crate::wire::handshake::{HandshakeMeta, LayoutWire, PROTOCOL_VERSION};
 
 /// Errors setting a worker up.
@@ -101,6 +104,8 @@ struct RemoteRank {
     groups: Option<LayerGroups>,
     /// A stock vLLM 0.32 prefill: heartbeats in its format.
     stock: bool,
+    /// Where its stamp table lies, when it stamps its references.
+    stamps: Option<u64>,
 }
 
 /// One prefill rank's metadata as a handshake fetched it.
@@ -143,6 +148,31 @@ struct Load {
     req: RecvRequest,
     xfers: Vec<(XferId, Duration)>,
     failed: Option<String>,
+    /// Stamp READs to post once the data READs completed (stamped references).
+    verify: Vec<Verify>,
+    /// Scratch slots the posted stamp READs land in, each with its prefill rank: checked,
+    /// then given back, once `xfers` ended.
+    checking: Vec<(u32, u32)>,
+}
+
+impl Load {
+    fn new(req: RecvRequest, xfers: Vec<(XferId, Duration)>, failed: Option<String>) -> Self {
+        Load {
+            req,
+            xfers,
+            failed,
+            verify: Vec::new(),
+            checking: Vec::new(),
+        }
+    }
+}
+
+/// A stamp READ a load posts after its data READs: the prefill rank whose slot it reads,
+/// and the read-done note it carries (sent only then, so that the prefill holds the blocks
+/// until their slot was read).
+struct Verify {
+    rank: u32,
+    note: Vec<u8>,
 }
 
 /// One TP rank's worker.
@@ -178,6 +208,12 @@ pub struct PullWorker<T: Transport> {
     instance: u64,
     /// A digest of this rank's cache layout (see [`PullWorker::layout_digest`]).
     layout_digest: String,
+    /// Prefill side: the stamp table decodes check after reading, and the stamp of each
+    /// held request, cleared from the table before its blocks are reported free.
+    stamps: StampTable,
+    stamped: HashMap<String, Stamp>,
+    /// Decode side: where stamp READs land.
+    scratch: Scratch,
 }
 
 mod connect;
@@ -196,7 +232,11 @@ impl<T: Transport> PullWorker<T> {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, PullError> {
         cache.check()?;
-        let registrations = register_spans(&mut transport, &cache)?;
+        let mut registrations = register_spans(&mut transport, &cache)?;
+        let (stamps, scratch) = (StampTable::new(), Scratch::new());
+        for range in [stamps.range(), scratch.range()] {
+            registrations.push(transport.register(MemoryKind::Host, range)?);
+        }
         let mut layout = LayoutWire::from_spec(
             &cache.spec,
             cache.total_kv_heads,
@@ -217,6 +257,7 @@ impl<T: Transport> PullWorker<T> {
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
             kvxfer_instance: Some(rand::random()),
+            kvxfer_stamps: Some(stamps.range().addr),
         };
         let instance = meta.kvxfer_instance.unwrap_or_default();
         let layout_digest = digest(&meta);
@@ -266,6 +307,9 @@ impl<T: Transport> PullWorker<T> {
             indices: (Vec::new(), Vec::new()),
             instance,
             layout_digest,
+            stamps,
+            stamped: HashMap::new(),
+            scratch,
         };
         worker.serve_stock_decodes();
         Ok(worker)
@@ -376,6 +420,7 @@ impl<T: Transport> PullWorker<T> {
             self.expire_leases();
             self.send_heartbeats();
         }
+        self.unstamp_freed();
         std::mem::take(&mut self.finished)
     }
     /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
@@ -411,6 +456,10 @@ impl<T: Transport> PullWorker<T> {
             for (x, _) in load.xfers {
                 let _ = self.transport.release(x);
             }
+        }
+        // No hold outlives the worker: decodes still reading find their slots cleared.
+        for (_, stamp) in self.stamped.drain() {
+            self.stamps.clear(stamp);
         }
         for engine in std::mem::take(&mut self.engines).into_values() {
             if let Engine::Ready { ranks, .. } = engine {
