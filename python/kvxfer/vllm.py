@@ -43,9 +43,11 @@ vLLM lazily only where vLLM itself calls it, so importing it stays cheap.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,14 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 
     step_json: str
     idle: bool = False
+
+
+def content_key(tokens: list[int]) -> int:
+    """What a request's KV was computed from, as the prefill's hold stamp and the decode's
+    check name it: the first 8 bytes of BLAKE2b over the token ids (64-bit, native byte
+    order), never 0 (which means "not named")."""
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def _layer_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -439,6 +449,11 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             blocks = -(-computed // self._block_size) - -(-loaded // self._block_size)
             drop = max(0, blocks)
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
+        # What the prefill's hold must name: the tokens it computed, which are this prompt's.
+        computed_by_prefill = params.get("remote_num_tokens")
+        content = None
+        if isinstance(computed_by_prefill, int) and 0 < computed_by_prefill <= prompt_len:
+            content = content_key((request.prompt_token_ids or [])[:computed_by_prefill])
         try:
             # The loaded tokens, for a prefill with another block size (its plan maps token
             # ranges, its list aligned at the last loaded token's block). Only where that
@@ -451,6 +466,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 local,
                 num_external_tokens,
                 loaded if aligned else None,
+                content,
             )
         except kvxfer.KvxferError as e:
             log.warning("request %s: cannot load remote KV (%s)", request.request_id, e)
@@ -498,9 +514,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not params:
             return False, None
         # Decode side too: a request that ends while waiting for blocks stops its heartbeats.
+        computed = int(request.num_computed_tokens)
+        content = None
+        if params.get("do_remote_decode"):
+            content = content_key((request.prompt_token_ids or [])[:computed])
         try:
             delay, out = self._sched().request_finished(
-                request.request_id, json.dumps(params), request.status in _HANDED_OFF, block_ids
+                request.request_id,
+                json.dumps(params),
+                request.status in _HANDED_OFF,
+                block_ids,
+                content,
             )
         except kvxfer.KvxferError as e:
             # Params kvxfer cannot read (the request then computed locally): nothing to hold,
@@ -513,7 +537,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if handed is not None:
             # The prompt tokens this prefill computed (vLLM's key): the decode's lists of
             # blocks end where they do.
-            handed["remote_num_tokens"] = int(request.num_computed_tokens)
+            handed["remote_num_tokens"] = computed
         return delay, handed
 
     # ---- worker side (worker process) ----

@@ -35,6 +35,9 @@ COUNTERS: dict[str, str] = {
     "heartbeats": "Heartbeat notes sent to prefill ranks holding this decode's requests",
     "expired_leases": "Prefill requests freed because no decode read them in time",
     "expired_reads": "Loads declined: a stock prefill frees their blocks too soon to read",
+    "verified_references": "Loads whose reference the prefill's stamp confirmed after the read",
+    "stale_references": "Loads failed: the prefill's stamp refuted their reference (consumed, "
+    "expired, reused, or another prompt's)",
     "refused_loads": "Loads refused because one of the same request was in flight",
     "lost_connections": "Prefill connections dropped after a failure (the next load reconnects)",
     "peer_restarts": "Handshakes that found a prefill restarted under the same engine id",
@@ -83,6 +86,8 @@ class KvxferStats(KVConnectorStats):
             "heartbeats": d.get("heartbeats", 0),
             "expired_leases": d.get("expired_leases", 0),
             "expired_reads": d.get("expired_reads", 0),
+            "verified_references": d.get("verified_references", 0),
+            "stale_references": d.get("stale_references", 0),
             "refused_loads": d.get("refused_loads", 0),
             "lost_connections": d.get("lost_connections", 0),
             "peer_restarts": d.get("peer_restarts", 0),

@@ -16,6 +16,7 @@ from flows import (
     kvxfer_metrics,
     prefill,
     prompt,
+    unchecked,
 )
 from harness import Engine
 
@@ -58,6 +59,8 @@ def test_output_equals_vllms_own_connector(mla_engines: dict[str, Engine]) -> No
 def test_latents_of_another_prompt_change_the_output(mla_engines: dict[str, Engine]) -> None:
     e = mla_engines
     x, y = prompt(95, 80), prompt(96, 80)
-    (wrong,) = decode(e["kvxfer-decode"], [x], prefill(e["kvxfer-prefill"], [y]))
+    (params_y,) = prefill(e["kvxfer-prefill"], [y])
+    (wrong,) = decode(e["kvxfer-decode"], [x], [unchecked(params_y)])
     (oracle,) = decode(e["stock-decode"], [x], prefill(e["stock-prefill"], [x]))
+    assert wrong["finish"] == "length", wrong
     assert wrong["logprobs"] != oracle["logprobs"], "the decode ignored the latents it pulled"

@@ -41,6 +41,8 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "heartbeats": 0,
         "expired_leases": 0,
         "expired_reads": 0,
+        "verified_references": 0,
+        "stale_references": 0,
         "refused_loads": 0,
         "lost_connections": 0,
         "peer_restarts": 0,
