@@ -26,7 +26,8 @@ macro_rules! pull_scenarios {
             a_prefill_with_another_block_size_is_read_by_token_ranges,
             consumed_foreign_and_unstamped_references_fail_their_loads,
             an_expired_lease_refutes_its_reference,
-            the_prefill_holds_the_blocks_until_their_stamp_was_read);
+            the_prefill_holds_the_blocks_until_their_stamp_was_read,
+            a_request_held_again_keeps_only_its_new_reference);
     };
 }
 

@@ -97,6 +97,11 @@ pub fn consumed_foreign_and_unstamped_references_fail_their_loads<F: TransportFa
         .verify_except(&[(1, 5), (2, 6), (4, 11)], &[7, 8, 9])
         .expect("bytes");
     assert_eq!(dec.workers[0].take_metrics().verified_references, 1);
+    assert_eq!(
+        dec.workers[0].stamp_reads_in_flight(),
+        0,
+        "scratch slots kept"
+    );
 }
 
 /// A hold whose lease ran out clears its slot before its blocks are reported free: a
@@ -157,4 +162,29 @@ pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFacto
     loaded_and_freed(&mut dec, &mut pre, "a");
     dec.caches[0].verify(&[(1, 5), (2, 6)]).expect("bytes");
     assert_eq!(dec.workers[0].take_metrics().verified_references, 1);
+}
+
+/// A request held again (its scheduler said so twice) keeps only the new reference: the
+/// old one's slot is cleared then, not left to outlive the hold.
+pub fn a_request_held_again_keeps_only_its_new_reference<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("again-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("again-D", &model, 1, false, c, &mk(f), &no_tune);
+    let old = pre.finish_prefill("r", &[1, 2]);
+    let new = pre.finish_prefill("r", &[1, 2]);
+    assert_ne!(old.kvxfer_stamp, new.kvxfer_stamp);
+    let refuted = refused(&mut dec, "r-old", &old, &[5, 6]);
+    assert!(
+        refuted.reason.contains("no longer holds"),
+        "{}",
+        refuted.reason
+    );
+    // The refuted load's note counted as a reader: the hold ended, and the new reference
+    // with it.
+    poll_until(&mut [&mut pre], |_, f| {
+        f[0].sending.iter().any(|r| r == "r")
+    });
+    let late = refused(&mut dec, "r-new", &new, &[7, 8]);
+    assert!(late.reason.contains("no longer holds"), "{}", late.reason);
 }

@@ -305,10 +305,20 @@ impl<T: Transport> PullWorker<T> {
     /// stamp READs are posted, or it is checked and reported.
     fn end_phase(&mut self, mut load: Load) {
         if load.failed.is_none() && !load.verify.is_empty() {
+            let now = self.clock.now();
             match self.post_stamp_reads(&mut load) {
                 Ok(true) => {}
-                // Scratch slots all lent: the next poll tries again.
-                Ok(false) => {}
+                // Scratch slots all lent: the next poll tries again, within the transfer
+                // timeout from the end of the data READs.
+                Ok(false) => {
+                    let since = *load.scratch_wait.get_or_insert(now);
+                    if now.saturating_sub(since) > self.config.transfer_timeout {
+                        load.failed = Some(format!(
+                            "no scratch slot for the stamp READ within {:?}",
+                            self.config.transfer_timeout
+                        ));
+                    }
+                }
                 Err(reason) => {
                     self.metrics.failed_setups.tally(1);
                     load.failed = Some(reason);

@@ -153,6 +153,8 @@ struct Load {
     /// Scratch slots the posted stamp READs land in, each with its prefill rank: checked,
     /// then given back, once `xfers` ended.
     checking: Vec<(u32, u32)>,
+    /// Since when the load waits for scratch slots (all lent), if it does.
+    scratch_wait: Option<Duration>,
 }
 
 impl Load {
@@ -163,6 +165,7 @@ impl Load {
             failed,
             verify: Vec::new(),
             checking: Vec::new(),
+            scratch_wait: None,
         }
     }
 }
@@ -347,6 +350,10 @@ impl<T: Transport> PullWorker<T> {
     /// The transport, mutably (tests use it to inject faults).
     pub fn transport_mut(&mut self) -> &mut T {
         &mut self.transport
+    }
+    /// Scratch slots lent to stamp READs in flight (tests: none once loads ended).
+    pub fn stamp_reads_in_flight(&self) -> usize {
+        (crate::pull::stamps::SCRATCH_SLOTS as usize).saturating_sub(self.scratch.free())
     }
     /// Notifications that were not kvxfer pull messages (dropped and counted).
     pub fn unknown_notifications(&self) -> u64 {
