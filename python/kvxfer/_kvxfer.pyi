@@ -106,7 +106,11 @@ class PullScheduler:
         uncomputed_blocks: list[int] | list[list[int]],
         num_external_tokens: int,
         load_end: int | None = None,
+        content: int | None = None,
     ) -> str: ...
+    def refuse_load(
+        self, req_id: str, uncomputed_blocks: list[int] | list[list[int]], reason: str
+    ) -> None: ...
     def build_step_meta(self) -> str: ...
     def request_finished(
         self,
@@ -114,6 +118,7 @@ class PullScheduler:
         params_json: str | None,
         length_capped: bool,
         block_ids: list[int] | list[list[int]],
+        content: int | None = None,
     ) -> tuple[bool, str | None]: ...
 
 FailedLoad = tuple[str, list[int], str, Literal["fail", "recompute"]]

@@ -364,6 +364,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._fleet: kvxfer.FleetWatch | None = None
         self._kv_role = str(ktc.kv_role)
         self._invalid_blocks: set[int] = set()
+        # Requests whose params say to pull but cannot be read: their load fails (below).
+        self._unusable: dict[str, str] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = kvxfer.PullScheduler(
                 self._engine_id,
@@ -386,20 +388,24 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._stop_before_last_token(request)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        load_end = self._load_end(len(request.prompt_token_ids or []))
         try:
             return self._sched().tokens_to_load(
-                request.request_id,
-                json.dumps(params),
-                self._load_end(len(request.prompt_token_ids or [])),
-                num_computed_tokens,
+                request.request_id, json.dumps(params), load_end, num_computed_tokens
             )
         except kvxfer.KvxferError as e:
-            log.warning(
-                "request %s: unusable kv_transfer_params (%s); computing locally",
-                request.request_id,
-                e,
-            )
-            return 0, False
+            # A load that cannot start fails (with the blocks vLLM gives it), so that the
+            # failure policy decides and a client that sent a bad reference hears of it,
+            # instead of the prompt being computed silently.
+            if request.request_id not in self._unusable:
+                log.warning(
+                    "request %s: unusable kv_transfer_params (%s); its load fails",
+                    request.request_id,
+                    e,
+                )
+            self._unusable[request.request_id] = str(e)
+            count = load_end - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
 
     def _stop_before_last_token(self, request: Request) -> None:
         """Prefill side, with a sliding-window group: computes every prompt token but the
@@ -434,6 +440,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return
         prompt_len = len(request.prompt_token_ids or [])
         loaded = self._load_end(prompt_len)
+        unusable = self._unusable.pop(request.request_id, None)
+        if unusable is not None:
+            if num_external_tokens > 0:
+                ids = blocks.get_unhashed_block_ids_all_groups()
+                self._sched().refuse_load(
+                    request.request_id, self._per_group(ids, loaded), unusable
+                )
+            params["do_remote_prefill"] = False
+            return
         local: list[list[int]] = []
         if num_external_tokens > 0:
             local = self._per_group(blocks.get_unhashed_block_ids_all_groups(), loaded)
@@ -511,6 +526,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        self._unusable.pop(request.request_id, None)
         if not params:
             return False, None
         # Decode side too: a request that ends while waiting for blocks stops its heartbeats.

@@ -117,6 +117,14 @@ impl PullScheduler {
         Ok(p.to_json())
     }
 
+    /// Records a load that cannot start (params kvxfer cannot read, `reason` says why): the
+    /// workers report it failed with `uncomputed_blocks`, so the engine's failure policy
+    /// decides instead of the prompt being computed silently.
+    fn refuse_load(&mut self, req_id: &str, uncomputed_blocks: BlockIds, reason: &str) {
+        let blocks = uncomputed_blocks.into_groups();
+        self.inner.refuse_load(req_id, &blocks, reason);
+    }
+
     /// The step's metadata for the workers, as JSON (the next call starts empty).
     fn build_step_meta(&mut self) -> String {
         // Plain strings and integers: serializing cannot fail.

@@ -197,6 +197,19 @@ def test_a_reference_to_a_missing_prefill_is_an_error_and_serving_goes_on(
     assert ok["choices"][0]["finish_reason"] == "length", ok
 
 
+def test_unusable_kv_transfer_params_are_an_error_and_serving_goes_on(
+    servers: dict[str, str],
+) -> None:
+    x = prompt(133, 60)
+    bad = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": "x"}
+    out = request(servers["decode"] + "/v1/completions", completion(x, kv_transfer_params=bad))
+    assert out.get("status", 200) >= 400, out  # not computed silently
+    log = Path(servers["decode_log"]).read_text()
+    assert "unusable kv_transfer_params" in log, log[-2000:]
+    ok = request(servers["proxy"] + "/v1/completions", completion(x))
+    assert ok["choices"][0]["finish_reason"] == "length", ok
+
+
 def test_the_proxy_answers_bad_requests_itself(servers: dict[str, str]) -> None:
     url = servers["proxy"] + "/v1/completions"
     assert request(url, completion(prompt(131, 20), stream=True))["status"] == 400

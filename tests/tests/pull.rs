@@ -836,3 +836,31 @@ fn pull_block_1(engine_id: &str, port: u16) -> KvTransferParams {
         ..Default::default()
     }
 }
+
+/// A load the engine asked for whose params kvxfer cannot read fails in the next step with
+/// its blocks (the engine's failure policy decides), touching nothing and connecting to no
+/// one; the scheduler records it once.
+#[test]
+fn a_refused_load_fails_at_once_with_its_blocks() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let mut dec = engine("refused-D", &model, 1, false, clock(), &lb, &no_tune);
+    dec.scheduler
+        .refuse_load("r", &[vec![5, 6]], "remote_block_ids: not a list");
+    dec.scheduler.refuse_load("r", &[vec![7]], "again");
+    let meta = dec.scheduler.build_step_meta();
+    assert_eq!(meta.recv.len(), 1, "{meta:?}");
+    assert!(dec.workers[0].start_load_kv(&meta).is_empty());
+    let f = dec.poll();
+    assert_eq!(f[0].recving, vec!["r".to_string()]);
+    let failed = &f[0].failed[0];
+    assert_eq!(failed.invalid_blocks, vec![5, 6]);
+    assert!(
+        failed
+            .reason
+            .contains("unusable kv_transfer_params: remote_block_ids: not a list"),
+        "{}",
+        failed.reason
+    );
+    assert_eq!(dec.workers[0].take_metrics().failed_setups, 1);
+    dec.caches[0].verify(&[]).expect("nothing written");
+}

@@ -48,6 +48,11 @@ pub struct RecvRequest {
     /// stamp its references.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stamp: Option<Stamp>,
+    /// Why this load cannot start (its params were unusable): the workers report it failed
+    /// at once, with its blocks, so the engine applies its failure policy instead of the
+    /// prompt being computed silently ([`PullScheduler::refuse_load`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 /// One KV cache group's blocks of a load: the prefill's read, the local ones filled.
@@ -254,6 +259,33 @@ impl PullScheduler {
         Ok(())
     }
 
+    /// Records a load the engine asked for (its params say to pull) that cannot start, for
+    /// `reason` (params kvxfer cannot read): the workers report it failed with
+    /// `uncomputed_blocks`, its local blocks, so that the engine's failure policy decides
+    /// (fail the request, or compute the prompt) and the client hears of a bad reference.
+    pub fn refuse_load(&mut self, req_id: &str, uncomputed_blocks: &[Vec<u32>], reason: &str) {
+        if self.triggered.contains(req_id) {
+            return;
+        }
+        self.waiting.remove(req_id);
+        self.pending.recv.push(RecvRequest {
+            req_id: req_id.into(),
+            remote_req_id: req_id.into(),
+            local_block_ids: uncomputed_blocks.to_vec(),
+            engine_id: String::new(),
+            host: String::new(),
+            port: 0,
+            remote_block_ids: Vec::new(),
+            protocol: PeerProtocol::default(),
+            remote_tp_size: None,
+            remote_expiry: None,
+            tokens: None,
+            stamp: None,
+            refused: Some(reason.into()),
+        });
+        self.triggered.insert(req_id.into());
+    }
+
     /// The step's metadata for the workers (taken: the next call starts empty).
     pub fn build_step_meta(&mut self) -> StepMeta {
         std::mem::take(&mut self.pending)
@@ -339,6 +371,7 @@ fn recv_request(
         remote_expiry: params.remote_blocks_expiry_time.clone(),
         tokens: None,
         stamp: None,
+        refused: None,
     }
 }
 
@@ -617,6 +650,7 @@ mod tests {
             remote_expiry: None,
             tokens: None,
             stamp: None,
+            refused: None,
         }
     }
 

@@ -387,6 +387,12 @@ impl<T: Transport> PullWorker<T> {
                 refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
                 continue;
             }
+            if let Some(why) = &req.refused {
+                // Nothing was posted: the load fails in this step, with its blocks.
+                self.metrics.failed_setups.tally(1);
+                self.fail(req.clone(), format!("unusable kv_transfer_params: {why}"));
+                continue;
+            }
             self.drop_if_peer_failed(&req.engine_id);
             match self.engines.get(&req.engine_id) {
                 Some(Engine::Ready { .. }) => self.issue(req.clone()),
