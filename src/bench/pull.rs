@@ -71,6 +71,9 @@ fn side(
             cfg.side_channel_host = host.to_string();
             cfg.transfer_timeout = c.transfer_timeout;
             cfg.prepared_lists = !c.raw_posts;
+            // A served prefill (`kvxfer serve`, a fixed port) holds no request: the bench's
+            // decode makes its references up, so they carry no stamp it could confirm.
+            cfg.stamp_references = fixed_port.is_none();
             let kv = ranks[r as usize].kv(&c.model);
             let transport = open(c.transport, &format!("{name}-{r}"))?;
             match PullWorker::new(transport, cfg, kv, clock.clone()) {

@@ -139,6 +139,11 @@ pub struct PullConfig {
     /// Speak vLLM 0.32's handshake with stock vLLM peers: serve them this rank's cache and
     /// pull from them. `None`: kvxfer peers only.
     pub vllm: Option<VllmCompat>,
+    /// Prefill side: name this rank's stamp table in its handshake, so that decodes check
+    /// each reference after reading (`pull::stamps`). On by default; off only for a prefill
+    /// that serves its memory without holding requests (`kvxfer serve` for the benchmark,
+    /// whose decode makes its references up).
+    pub stamp_references: bool,
 }
 
 impl PullConfig {
@@ -162,6 +167,7 @@ impl PullConfig {
             enforce_compat: true,
             prepared_lists: true,
             vllm: None,
+            stamp_references: true,
         }
     }
 }

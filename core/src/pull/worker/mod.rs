@@ -260,7 +260,7 @@ impl<T: Transport> PullWorker<T> {
             kvxfer_layout: Some(layout),
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
             kvxfer_instance: Some(rand::random()),
-            kvxfer_stamps: Some(stamps.range().addr),
+            kvxfer_stamps: config.stamp_references.then(|| stamps.range().addr),
         };
         let instance = meta.kvxfer_instance.unwrap_or_default();
         let layout_digest = digest(&meta);
