@@ -497,25 +497,39 @@ pub fn setup_failure_returns_invalid_blocks<F: TransportFactory>(f: &F) {
     dec.caches[0].verify(&[]).expect("nothing written");
 }
 
+/// An engine over `F`'s transport behind the [`Faulty`] decorator.
+pub type FaultyEngine<F> = Engine<Faulty<<F as TransportFactory>::T>>;
+
+/// A prefill of `prefill_tp` ranks and a one-rank decode (the small HND model, `name-P` and
+/// `name-D`), both over `f`'s transport behind the [`Faulty`] decorator.
+pub fn faulty_pair<F: TransportFactory>(
+    f: &F,
+    name: &str,
+    prefill_tp: u32,
+) -> (FaultyEngine<F>, FaultyEngine<F>) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let faulty = |n: &str| Faulty::new(f.create(n));
+    let pre = engine(
+        &format!("{name}-P"),
+        &model,
+        prefill_tp,
+        true,
+        Arc::clone(&c),
+        &faulty,
+        &no_tune,
+    );
+    let dec = engine(&format!("{name}-D"), &model, 1, false, c, &faulty, &no_tune);
+    (pre, dec)
+}
+
 /// A load whose setup fails part-way (the READ to the second prefill rank refused after the
 /// one to the first was posted) is reported failed only once the READ it posted ended: with
 /// that READ's completion held back (the [`Faulty`] decorator), the load stays unreported
 /// and its READ unreleased however often the engine polls; released, the load fails with
 /// all its blocks, and no byte lands outside them.
 pub fn a_failed_setup_is_reported_only_after_its_posted_reads_ended<F: TransportFactory>(f: &F) {
-    let model = Model::small(BlockOrder::Hnd, 4);
-    let c = clock();
-    let faulty = |name: &str| Faulty::new(f.create(name));
-    let mut pre = engine(
-        "fence-P",
-        &model,
-        2,
-        true,
-        Arc::clone(&c),
-        &faulty,
-        &no_tune,
-    );
-    let mut dec = engine("fence-D", &model, 1, false, c, &faulty, &no_tune);
+    let (mut pre, mut dec) = faulty_pair(f, "fence", 2);
     let faults = dec.workers[0].transport().faults();
     faults.hold_completions(true);
     faults.fail_after(1, 1, true);

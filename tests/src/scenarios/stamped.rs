@@ -12,9 +12,8 @@ use kvxfer_core::clock::{Clock, ManualClock};
 use kvxfer_core::pull::{FailedLoad, PullConfig};
 use kvxfer_layout::BlockOrder;
 
-use super::pull::{clock, first_failure, mk, no_tune};
+use super::pull::{clock, faulty_pair, first_failure, mk, no_tune};
 use crate::conformance::TransportFactory;
-use crate::faulty::Faulty;
 use crate::pull_env::{Engine, Model, engine, poll_until};
 
 /// Polls until decode rank 0 reported `req` loaded (failing the scenario if it failed) and
@@ -124,19 +123,7 @@ pub fn an_expired_lease_refutes_its_reference<F: TransportFactory>(f: &F) {
 /// The read-done note travels with the stamp READ, after the data: while the data READ's
 /// completion is held back, the prefill keeps the blocks (and their stamp).
 pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFactory>(f: &F) {
-    let model = Model::small(BlockOrder::Hnd, 4);
-    let c = clock();
-    let faulty = |name: &str| Faulty::new(f.create(name));
-    let mut pre = engine(
-        "order-P",
-        &model,
-        1,
-        true,
-        Arc::clone(&c),
-        &faulty,
-        &no_tune,
-    );
-    let mut dec = engine("order-D", &model, 1, false, c, &faulty, &no_tune);
+    let (mut pre, mut dec) = faulty_pair(f, "order", 1);
     let faults = dec.workers[0].transport().faults();
     faults.hold_completions(true);
     let a = pre.finish_prefill("a", &[1, 2]);
