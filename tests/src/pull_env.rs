@@ -433,6 +433,15 @@ impl<T: Transport> Engine<T> {
     /// Prefill: finishes `req_id` holding `blocks`, tells every rank to hold, returns the
     /// params for the decode.
     pub fn finish_prefill(&mut self, req_id: &str, blocks: &[u32]) -> KvTransferParams {
+        let (params, meta) = self.hand_out(req_id, blocks);
+        self.start_step(&meta);
+        params
+    }
+
+    /// Prefill: the scheduler finishes `req_id` and hands its reference out, one step before
+    /// the workers see the step that holds the blocks ([`Engine::start_step`]), as an engine
+    /// answers before its next step runs.
+    pub fn hand_out(&mut self, req_id: &str, blocks: &[u32]) -> (KvTransferParams, StepMeta) {
         let p = KvTransferParams {
             do_remote_decode: true,
             ..Default::default()
@@ -446,10 +455,14 @@ impl<T: Transport> Engine<T> {
         );
         assert!(d.delay_free);
         let meta = self.scheduler.build_step_meta();
+        (d.params.expect("params"), meta)
+    }
+
+    /// Runs a step's metadata on every rank.
+    pub fn start_step(&mut self, meta: &StepMeta) {
         for w in &mut self.workers {
-            w.start_load_kv(&meta);
+            w.start_load_kv(meta);
         }
-        d.params.expect("params")
     }
 
     /// Decode: schedules a load of `params` into `local` blocks and starts it on every rank.

@@ -4,17 +4,24 @@
 //! A prefill rank keeps a table of [`SLOTS`] slots in registered host memory. When it holds a
 //! request's blocks it writes the hold's [`Stamp`] (a generation the scheduler drew, never
 //! reused, and the engine's content key, e.g. a digest of the prompt's tokens) into the
-//! generation's slot, and clears the slot before the blocks go back to the engine. The
-//! reference (`kv_transfer_params`) carries the generation. A decode reads the blocks, then
-//! the slot, and sends its read-done note with that second READ: a slot still holding the
-//! reference's generation (and the content the decode expects) proves the blocks were held,
-//! so not reused, for the whole first READ. A slot cleared, overwritten by a later hold, or
-//! naming other content fails the load, whatever the reference said: a reference consumed
-//! already, past its lease, forged, or handed to another request.
+//! generation's slot, and marks the slot released before the blocks go back to the engine.
+//! The reference (`kv_transfer_params`) carries the generation. A decode reads the blocks,
+//! then the slot, and sends its read-done note only once the slot was read: a slot holding the
+//! reference's generation, not released (and the content the decode expects) proves the blocks
+//! were held, so not reused, for the whole first READ. A released slot, one a later hold took,
+//! or one naming other content fails the load, whatever the reference said: a reference
+//! consumed already, past its lease, forged, or handed to another request.
 //!
-//! Slots are `generation % SLOTS`: two holds share a slot only when more than [`SLOTS`]
-//! requests are held at once, and then the older one's check fails (never a wrong pass),
-//! since a slot is cleared only by the hold whose generation it holds.
+//! The engine hands a reference out as its scheduler draws it, one step before the worker's
+//! hold writes the slot; until then the engine itself keeps the blocks. A slot that shows an
+//! earlier generation (or none) therefore means the hold has not started yet: the decode
+//! reads the slot again, up to its transfer timeout (a forged reference, or one from the
+//! prefill's previous incarnation whose slot no hold took, fails then).
+//!
+//! Slots are `generation % SLOTS`, and one scheduler's generations count up from a random
+//! base: two holds share a slot only when more than [`SLOTS`] requests are held at once, and
+//! then the older one's check fails (never a wrong pass), since a slot is released only by
+//! the hold whose generation it holds.
 //!
 //! Public for the fuzz targets and tests; engines use the pull connector.
 
@@ -29,8 +36,13 @@ use crate::transport::AddrRange;
 /// Slots in a prefill rank's stamp table (a power of two: 1 MiB of host memory).
 pub const SLOTS: u32 = 1 << 16;
 
-/// Bytes of one slot: the generation, then the content key, each a little-endian u64.
+/// Bytes of one slot: the generation (with [`RELEASED`] once the hold ended), then the
+/// content key, each a little-endian u64.
 pub const SLOT_BYTES: u64 = 16;
+
+/// Set in a slot's generation word when its hold ended: the slot still names the generation,
+/// so that a decode tells a released reference from one whose hold has not started.
+pub const RELEASED: u64 = 1 << 63;
 
 /// Generations stay below 2^53, so that JSON readers that hold numbers as doubles (a proxy
 /// in JavaScript) pass them through unchanged.
@@ -68,6 +80,11 @@ fn load(s: &Slot) -> [u64; 2] {
         u64::from_le(s[0].load(Ordering::SeqCst)),
         u64::from_le(s[1].load(Ordering::SeqCst)),
     ]
+}
+
+/// The scheduler incarnation `generation` was drawn by: its base's bits.
+fn incarnation(generation: u64) -> u64 {
+    generation >> 32
 }
 
 /// Draws generations: a random per-scheduler base (so that a restarted prefill's never
@@ -145,21 +162,16 @@ impl StampTable {
         s[0].store(stamp.generation.to_le(), Ordering::SeqCst);
     }
 
-    /// Clears `stamp`'s slot if it still holds that generation (a later hold that took the
-    /// slot keeps it). Called before the hold's blocks go back to the engine.
-    pub fn clear(&self, stamp: Stamp) {
+    /// Marks `stamp`'s slot released if it still holds that generation (a later hold that
+    /// took the slot keeps it). Called before the hold's blocks go back to the engine.
+    pub fn release(&self, stamp: Stamp) {
         let s = self.slot(stamp.generation);
-        if s[0]
-            .compare_exchange(
-                stamp.generation.to_le(),
-                0,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            )
-            .is_ok()
-        {
-            s[1].store(0, Ordering::Relaxed);
-        }
+        let _ = s[0].compare_exchange(
+            stamp.generation.to_le(),
+            (stamp.generation | RELEASED).to_le(),
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 
     /// The slot of `generation` as a decode would read it (tests).
@@ -178,13 +190,12 @@ impl StampTable {
 /// Why a slot refutes a reference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum StaleReference {
-    /// The slot is empty: the hold ended (read by all its readers, or its lease ran out)
-    /// before the blocks were read, or never existed.
-    #[error(
-        "the prefill no longer holds the blocks (reference already consumed, expired or unknown)"
-    )]
+    /// The slot names the reference's generation, released: the hold ended (read by all its
+    /// readers, or its lease ran out) before the blocks were read.
+    #[error("the prefill no longer holds the blocks (reference already consumed or expired)")]
     Released,
-    /// Another hold took the slot: the reference's hold ended and its blocks may be reused.
+    /// Another hold took the slot (a later one, or one of another incarnation of the
+    /// prefill): the reference's hold ended and its blocks may be reused.
     #[error("the prefill's hold of the reference ended and another took its place")]
     Superseded,
     /// The hold computed other content than this request's.
@@ -192,20 +203,39 @@ pub enum StaleReference {
     OtherContent,
 }
 
+/// What a slot says of a reference it does not refute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// The hold stands: the blocks read before the slot were the reference's.
+    Yes,
+    /// No hold of the reference yet (an earlier generation, or none, in its slot): its
+    /// prefill's engine keeps the blocks until the hold starts, so read the slot again.
+    NotYet,
+}
+
 /// Checks a slot read after the blocks against the reference's stamp (`content` 0: not
 /// compared, on either side).
-pub fn check(read: [u64; 2], expected: Stamp) -> Result<(), StaleReference> {
-    let [generation, content] = read;
-    if generation == 0 {
-        return Err(StaleReference::Released);
+pub fn check(read: [u64; 2], expected: Stamp) -> Result<Held, StaleReference> {
+    let [word, content] = read;
+    let generation = word & !RELEASED;
+    if word == 0 {
+        return Ok(Held::NotYet);
     }
     if generation != expected.generation {
-        return Err(StaleReference::Superseded);
+        let same_scheduler = incarnation(generation) == incarnation(expected.generation);
+        return if same_scheduler && generation < expected.generation {
+            Ok(Held::NotYet)
+        } else {
+            Err(StaleReference::Superseded)
+        };
+    }
+    if word & RELEASED != 0 {
+        return Err(StaleReference::Released);
     }
     if content != 0 && expected.content != 0 && content != expected.content {
         return Err(StaleReference::OtherContent);
     }
-    Ok(())
+    Ok(Held::Yes)
 }
 
 /// Slots of a decode worker's scratch table, where its stamp READs land: one per prefill
@@ -311,27 +341,53 @@ mod tests {
             generation: 5,
             content: 77,
         };
-        assert_eq!(check(t.read(5), s), Err(StaleReference::Released));
+        assert_eq!(check(t.read(5), s), Ok(Held::NotYet));
         t.set(s);
         assert_eq!(t.read(5), [5, 77]);
-        assert_eq!(check(t.read(5), s), Ok(()));
+        assert_eq!(check(t.read(5), s), Ok(Held::Yes));
         let foreign = Stamp { content: 78, ..s };
         assert_eq!(check(t.read(5), foreign), Err(StaleReference::OtherContent));
         // Content 0 on either side is not compared.
-        assert_eq!(check(t.read(5), Stamp { content: 0, ..s }), Ok(()));
-        assert_eq!(check([5, 0], s), Ok(()));
+        assert_eq!(check(t.read(5), Stamp { content: 0, ..s }), Ok(Held::Yes));
+        assert_eq!(check([5, 0], s), Ok(Held::Yes));
         // A later hold in the same slot refutes the earlier reference, and the earlier
-        // hold's end does not clear it.
+        // hold's end does not release it.
         let later = Stamp {
             generation: 5 + u64::from(SLOTS),
             content: 1,
         };
+        assert_eq!(check(t.read(5), later), Ok(Held::NotYet));
         t.set(later);
         assert_eq!(check(t.read(5), s), Err(StaleReference::Superseded));
-        t.clear(s);
-        assert_eq!(check(t.read(later.generation), later), Ok(()));
-        t.clear(later);
-        assert_eq!(t.read(5), [0, 0]);
+        t.release(s);
+        assert_eq!(check(t.read(later.generation), later), Ok(Held::Yes));
+        t.release(later);
+        assert_eq!(t.read(5), [later.generation | RELEASED, 1]);
+        assert_eq!(check(t.read(5), later), Err(StaleReference::Released));
+        assert_eq!(check(t.read(5), s), Err(StaleReference::Superseded));
+    }
+
+    #[test]
+    fn another_incarnations_slot_refutes_whatever_its_generation() {
+        let mut old = Generations::from_base(1);
+        let mut new = Generations::from_base(2);
+        let (a, b) = (old.draw(), new.draw());
+        assert_eq!(slot(a), slot(b));
+        let stamp = |generation| Stamp {
+            generation,
+            content: 0,
+        };
+        // b's incarnation is later and its counter the same: only the incarnation refutes.
+        assert_eq!(check([b, 0], stamp(a)), Err(StaleReference::Superseded));
+        assert_eq!(check([a, 0], stamp(b)), Err(StaleReference::Superseded));
+        assert_eq!(
+            check([a | RELEASED, 0], stamp(b)),
+            Err(StaleReference::Superseded)
+        );
+        // Within one incarnation, an earlier generation in the slot: not held yet.
+        let c = a + u64::from(SLOTS);
+        assert_eq!(check([a | RELEASED, 0], stamp(c)), Ok(Held::NotYet));
+        assert_eq!(check([a, 0], stamp(c)), Ok(Held::NotYet));
     }
 
     #[test]

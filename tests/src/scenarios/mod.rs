@@ -27,7 +27,9 @@ macro_rules! pull_scenarios {
             consumed_foreign_and_unstamped_references_fail_their_loads,
             an_expired_lease_refutes_its_reference,
             the_prefill_holds_the_blocks_until_their_stamp_was_read,
-            a_request_held_again_keeps_only_its_new_reference);
+            a_request_held_again_keeps_only_its_new_reference,
+            a_reference_read_before_its_hold_started_loads_once_it_starts,
+            a_reference_never_held_fails_at_the_transfer_timeout);
     };
 }
 

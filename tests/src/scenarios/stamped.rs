@@ -17,18 +17,35 @@ use crate::conformance::TransportFactory;
 use crate::pull_env::{Engine, Model, engine, poll_until};
 
 /// Polls until decode rank 0 reported `req` loaded (failing the scenario if it failed) and
-/// prefill rank 0 reported it free.
-fn loaded_and_freed<T: Transport>(dec: &mut Engine<T>, pre: &mut Engine<T>, req: &str) {
+/// prefill rank 0 reported `held` free.
+fn loaded_and_freed<T: Transport>(dec: &mut Engine<T>, pre: &mut Engine<T>, req: &str, held: &str) {
     let (mut loaded, mut freed) = (false, false);
     poll_until(&mut [dec, pre], |i, f| {
         if i == 0 {
             assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
             loaded |= f[0].recving.iter().any(|r| r == req);
         } else {
-            freed |= f[0].sending.iter().any(|r| r == req);
+            freed |= f[0].sending.iter().any(|r| r == held);
         }
         loaded && freed
     });
+}
+
+/// Polls until decode rank 0's one load read its stamp and found the hold not started,
+/// failing the scenario if a load ended.
+fn awaiting_hold<T: Transport>(dec: &mut Engine<T>) {
+    let start = Instant::now();
+    while dec.workers[0].loads_awaiting_holds() == 0 {
+        let f = dec.poll();
+        assert!(
+            f[0].failed.is_empty() && f[0].recving.is_empty(),
+            "{:?}",
+            f[0]
+        );
+        assert!(start.elapsed() < Duration::from_secs(60), "no stamp READ");
+        std::thread::yield_now();
+    }
+    assert_eq!(dec.workers[0].loads_awaiting_holds(), 1);
 }
 
 /// The one failure of loading `params` as `req` into `local`.
@@ -58,7 +75,7 @@ pub fn consumed_foreign_and_unstamped_references_fail_their_loads<F: TransportFa
     let a = pre.finish_prefill("a", &[1, 2]);
     dec.start_load("a", &a, &[5, 6], 8);
     // The read-done note frees the hold: the reference is consumed.
-    loaded_and_freed(&mut dec, &mut pre, "a");
+    loaded_and_freed(&mut dec, &mut pre, "a", "a");
     dec.caches[0].verify(&[(1, 5), (2, 6)]).expect("bytes");
     let m = dec.workers[0].take_metrics();
     assert_eq!((m.verified_references, m.stale_references), (1, 0));
@@ -89,7 +106,7 @@ pub fn consumed_foreign_and_unstamped_references_fail_their_loads<F: TransportFa
     );
     // Refused before any READ: the hold stands, and its reference still loads.
     dec.start_load("d", &d, &[11], 4);
-    loaded_and_freed(&mut dec, &mut pre, "d");
+    loaded_and_freed(&mut dec, &mut pre, "d", "d");
     // Block 10 untouched: the stripped reference was refused before any READ. The
     // refuted loads' blocks (7, 8, 9) were reported invalid.
     dec.caches[0]
@@ -103,7 +120,7 @@ pub fn consumed_foreign_and_unstamped_references_fail_their_loads<F: TransportFa
     );
 }
 
-/// A hold whose lease ran out clears its slot before its blocks are reported free: a
+/// A hold whose lease ran out releases its slot before its blocks are reported free: a
 /// decode reading them afterwards fails.
 pub fn an_expired_lease_refutes_its_reference<F: TransportFactory>(f: &F) {
     let model = Model::small(BlockOrder::Hnd, 4);
@@ -120,8 +137,8 @@ pub fn an_expired_lease_refutes_its_reference<F: TransportFactory>(f: &F) {
     assert_eq!(dec.workers[0].take_metrics().stale_references, 1);
 }
 
-/// The read-done note travels with the stamp READ, after the data: while the data READ's
-/// completion is held back, the prefill keeps the blocks (and their stamp).
+/// The read-done note goes only once the stamp READ, after the data, confirmed the hold: while
+/// the data READ's completion is held back, the prefill keeps the blocks (and their stamp).
 pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFactory>(f: &F) {
     let (mut pre, mut dec) = faulty_pair(f, "order", 1);
     let faults = dec.workers[0].transport().faults();
@@ -146,13 +163,13 @@ pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFacto
         std::thread::sleep(Duration::from_millis(1));
     }
     faults.hold_completions(false);
-    loaded_and_freed(&mut dec, &mut pre, "a");
+    loaded_and_freed(&mut dec, &mut pre, "a", "a");
     dec.caches[0].verify(&[(1, 5), (2, 6)]).expect("bytes");
     assert_eq!(dec.workers[0].take_metrics().verified_references, 1);
 }
 
 /// A request held again (its scheduler said so twice) keeps only the new reference: the
-/// old one's slot is cleared then, not left to outlive the hold.
+/// old one's slot is released then, not left to outlive the hold.
 pub fn a_request_held_again_keeps_only_its_new_reference<F: TransportFactory>(f: &F) {
     let model = Model::small(BlockOrder::Hnd, 4);
     let c = clock();
@@ -167,11 +184,95 @@ pub fn a_request_held_again_keeps_only_its_new_reference<F: TransportFactory>(f:
         "{}",
         refuted.reason
     );
-    // The refuted load's note counted as a reader: the hold ended, and the new reference
-    // with it.
-    poll_until(&mut [&mut pre], |_, f| {
-        f[0].sending.iter().any(|r| r == "r")
-    });
-    let late = refused(&mut dec, "r-new", &new, &[7, 8]);
-    assert!(late.reason.contains("no longer holds"), "{}", late.reason);
+    // A refuted load sends no read-done note: the new reference's hold stands.
+    dec.start_load("r-new", &new, &[7, 8], 8);
+    loaded_and_freed(&mut dec, &mut pre, "r-new", "r");
+    dec.caches[0]
+        .verify_except(&[(1, 7), (2, 8)], &[5, 6])
+        .expect("bytes");
+}
+
+/// An engine answers with the reference before its next step starts the hold: a decode that
+/// reads the blocks in between finds the slot not yet stamped, reads it again, and loads once
+/// the hold started (the engine kept the blocks meanwhile); the prefill frees them only
+/// after that.
+pub fn a_reference_read_before_its_hold_started_loads_once_it_starts<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("early-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("early-D", &model, 1, false, c, &mk(f), &no_tune);
+    pre.content = Some(3);
+    dec.content = Some(3);
+    let (a, step) = pre.hand_out("a", &[1, 2]);
+    dec.start_load("a", &a, &[5, 6], 8);
+    awaiting_hold(&mut dec);
+    for _ in 0..20 {
+        let f = dec.poll();
+        assert!(
+            f[0].failed.is_empty() && f[0].recving.is_empty(),
+            "{:?}",
+            f[0]
+        );
+        assert!(
+            pre.poll()[0].sending.is_empty(),
+            "freed before the hold started"
+        );
+    }
+    pre.start_step(&step);
+    loaded_and_freed(&mut dec, &mut pre, "a", "a");
+    dec.caches[0].verify(&[(1, 5), (2, 6)]).expect("bytes");
+    let m = dec.workers[0].take_metrics();
+    assert_eq!((m.verified_references, m.stale_references), (1, 0));
+    assert_eq!(
+        dec.workers[0].stamp_reads_in_flight(),
+        0,
+        "scratch slots kept"
+    );
+}
+
+/// A reference whose hold never starts (forged, or from the prefill's previous incarnation)
+/// fails its load at the transfer timeout, counted stale.
+pub fn a_reference_never_held_fails_at_the_transfer_timeout<F: TransportFactory>(f: &F) {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let mut pre = engine("never-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    let mut dec = engine("never-D", &model, 1, false, c, &mk(f), &no_tune);
+    let mut forged = pre.finish_prefill("a", &[1, 2]);
+    let stamp = forged.kvxfer_stamp.as_mut().expect("stamp");
+    *stamp += 1000;
+    dec.start_load("f", &forged, &[5, 6], 8);
+    awaiting_hold(&mut dec);
+    // A second at a time, so that no single stamp READ is in flight for the whole timeout.
+    let mut failed = Vec::new();
+    let start = Instant::now();
+    while failed.is_empty() {
+        manual.advance(Duration::from_secs(1));
+        loop {
+            failed.extend(dec.poll()[0].failed.clone());
+            if dec.workers[0].stamp_reads_in_flight() == 0 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "stamp READ stuck"
+            );
+            std::thread::yield_now();
+        }
+    }
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0].reason.contains("did not hold it"),
+        "{}",
+        failed[0].reason
+    );
+    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
+    assert_eq!(dec.workers[0].take_metrics().stale_references, 1);
+    assert_eq!(
+        dec.workers[0].stamp_reads_in_flight(),
+        0,
+        "scratch slots kept"
+    );
+    // The real reference's hold was never read: it stands.
+    assert!(pre.poll()[0].sending.is_empty());
 }

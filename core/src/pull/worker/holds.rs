@@ -19,7 +19,7 @@ impl<T: Transport> PullWorker<T> {
         for h in hold {
             if let Some(old) = self.stamped.insert(h.req_id.clone(), h.stamp) {
                 // Held again: the new reference replaces the old one.
-                self.stamps.clear(old);
+                self.stamps.release(old);
             }
             self.stamps.set(h.stamp);
             self.holds.hold(&h.req_id, now, &mut self.finished.sending);
@@ -31,7 +31,7 @@ impl<T: Transport> PullWorker<T> {
     pub(super) fn unstamp_freed(&mut self) {
         for id in &self.finished.sending {
             if let Some(stamp) = self.stamped.remove(id) {
-                self.stamps.clear(stamp);
+                self.stamps.release(stamp);
             }
         }
     }

@@ -61,7 +61,7 @@ impl<T: Transport> PullWorker<T> {
     /// Posts one READ per data link (and notifications for the rest); on error returns
     /// the reason and the transfers already posted (to be released once they end). A data
     /// link to a rank that stamps its references posts without its note, which `verify`
-    /// gets for the stamp READ that follows the data.
+    /// keeps until the stamp READ that follows the data confirmed the hold.
     pub(super) fn post_reads(
         &mut self,
         req: &RecvRequest,
@@ -100,7 +100,7 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             };
-            // A stamping rank's data READ goes without its note: the stamp READ carries it.
+            // A stamping rank's data READ goes without its note: it goes once the stamp READ confirmed the hold.
             let stamped = rank.stamps.is_some() && matches!(link.kind, LinkKind::Data(_));
             if stamped && req.stamp.is_none() {
                 return Err((
@@ -304,46 +304,58 @@ impl<T: Transport> PullWorker<T> {
     /// A load whose transfers all ended: its data READs, then (stamped references) its
     /// stamp READs are posted, or it is checked and reported.
     fn end_phase(&mut self, mut load: Load) {
+        let checking = std::mem::take(&mut load.checking);
+        let checked = !checking.is_empty();
+        if load.failed.is_none() && checked {
+            load.failed = self.check_stamps(
+                &load.req,
+                checking,
+                &mut load.verify,
+                &mut load.hold_pending,
+            );
+        } else {
+            self.scratch
+                .give_back(checking.into_iter().map(|(s, _)| s).collect());
+        }
         if load.failed.is_none() && !load.verify.is_empty() {
             let now = self.clock.now();
-            match self.post_stamp_reads(&mut load) {
-                Ok(true) => {}
-                // Scratch slots all lent: the next poll tries again, within the transfer
-                // timeout from the end of the data READs.
-                Ok(false) => {
-                    let since = *load.scratch_wait.get_or_insert(now);
-                    if now.saturating_sub(since) > self.config.transfer_timeout {
-                        load.failed = Some(format!(
-                            "no scratch slot for the stamp READ within {:?}",
-                            self.config.transfer_timeout
-                        ));
-                    }
-                }
-                Err(reason) => {
-                    self.metrics.failed_setups.tally(1);
-                    load.failed = Some(reason);
-                }
+            let since = *load.stamp_wait.get_or_insert(now);
+            if now.saturating_sub(since) > self.config.transfer_timeout {
+                let ranks: Vec<u32> = load.verify.iter().map(|v| v.rank).collect();
+                load.failed = Some(if load.hold_pending {
+                    // A forged reference, or one from the prefill's previous incarnation.
+                    self.metrics.stale_references.tally(1);
+                    format!(
+                        "stale reference: prefill ranks {ranks:?} did not hold it within {:?} (unknown to them)",
+                        self.config.transfer_timeout
+                    )
+                } else {
+                    format!(
+                        "no scratch slot for the stamp READ within {:?}",
+                        self.config.transfer_timeout
+                    )
+                });
+            } else if checked {
+                // A hold not started yet: its slot is read again at the next poll.
+            } else if let Err(reason) = self.post_stamp_reads(&mut load) {
+                // Scratch slots all lent (Ok(false)): the next poll tries again.
+                self.metrics.failed_setups.tally(1);
+                load.failed = Some(reason);
             }
             if !load.xfers.is_empty() || (load.failed.is_none() && !load.verify.is_empty()) {
                 self.loads.insert(load.req.req_id.clone(), load);
                 return;
             }
         }
-        let checking = std::mem::take(&mut load.checking);
-        if load.failed.is_none() {
-            load.failed = self.check_stamps(&load.req, &checking);
-        }
-        self.scratch
-            .give_back(checking.into_iter().map(|(s, _)| s).collect());
         match load.failed {
             None => self.finished.recving.push(load.req.req_id),
             Some(reason) => self.fail(load.req, reason),
         }
     }
 
-    /// Posts the stamp READs of a load whose data READs completed, each with its read-done
-    /// note; false while the scratch has too few free slots. On error the READs posted so
-    /// far stay in `load.xfers`.
+    /// Posts the stamp READs of a load whose data READs completed (each rank's read-done note
+    /// waits for its check); false while the scratch has too few free slots. On error the
+    /// READs posted so far stay in `load.xfers`.
     fn post_stamp_reads(&mut self, load: &mut Load) -> Result<bool, String> {
         let Some(stamp) = load.req.stamp else {
             return Err("stamped ranks but no stamp".into());
@@ -378,11 +390,11 @@ impl<T: Transport> PullWorker<T> {
             let host = (MemoryKind::Host, MemoryKind::Host);
             match self
                 .transport
-                .post(Op::Read, peer, host, &[local], &[remote], Some(&v.note))
+                .post(Op::Read, peer, host, &[local], &[remote], None)
             {
                 Ok(x) => {
                     load.xfers.push((x, now));
-                    load.checking.push((slot, v.rank));
+                    load.checking.push((slot, v));
                 }
                 Err(e) => {
                     self.scratch
@@ -394,21 +406,54 @@ impl<T: Transport> PullWorker<T> {
         Ok(true)
     }
 
-    /// Checks what each stamp READ found against the reference's stamp: the reason of the
-    /// first refutation, counted, or none.
-    fn check_stamps(&mut self, req: &RecvRequest, checking: &[(u32, u32)]) -> Option<String> {
+    /// Checks what each stamp READ found against the reference's stamp, giving the scratch
+    /// slots back: the reason of the first refutation (counted), or none. A rank that
+    /// confirmed the hold gets its read-done note now; one whose hold has not started goes
+    /// back to `again`, to be read another time, and sets `hold_pending`.
+    fn check_stamps(
+        &mut self,
+        req: &RecvRequest,
+        checking: Vec<(u32, Verify)>,
+        again: &mut Vec<Verify>,
+        hold_pending: &mut bool,
+    ) -> Option<String> {
+        use crate::pull::stamps::{Held, check};
         let stamp = req.stamp?;
-        for &(slot, rank) in checking {
-            if let Err(e) = crate::pull::stamps::check(self.scratch.read(slot), stamp) {
-                self.metrics.stale_references.tally(1);
-                tracing::warn!(req = %req.req_id, engine = %req.engine_id, rank, "{e}: the blocks read are discarded");
-                return Some(format!("stale reference: prefill rank {rank}: {e}"));
+        let mut refuted = None;
+        for (slot, v) in checking {
+            let read = self.scratch.read(slot);
+            self.scratch.give_back(vec![slot]);
+            match check(read, stamp) {
+                Ok(Held::Yes) => self.send_read_done(req, &v),
+                Ok(Held::NotYet) => {
+                    *hold_pending = true;
+                    again.push(v);
+                }
+                Err(e) => {
+                    tracing::warn!(req = %req.req_id, engine = %req.engine_id, rank = v.rank, "{e}: the blocks read are discarded");
+                    refuted.get_or_insert(format!("stale reference: prefill rank {}: {e}", v.rank));
+                }
             }
         }
-        if !checking.is_empty() {
+        if refuted.is_some() {
+            self.metrics.stale_references.tally(1);
+        } else if again.is_empty() {
             self.metrics.verified_references.tally(1);
         }
-        None
+        refuted
+    }
+
+    /// The read-done note of a rank whose stamp confirmed the hold: the prefill may free the
+    /// blocks now. A note that cannot be sent leaves them to the prefill's lease.
+    fn send_read_done(&mut self, req: &RecvRequest, v: &Verify) {
+        let peer = match self.engines.get(&req.engine_id) {
+            Some(Engine::Ready { ranks, .. }) => ranks.get(&v.rank).map(|r| r.peer),
+            _ => None,
+        };
+        let sent = peer.map(|p| self.transport.send_notification(p, &v.note));
+        if !matches!(sent, Some(Ok(()))) {
+            tracing::warn!(req = %req.req_id, rank = v.rank, "read-done note not sent: the prefill's lease frees the blocks");
+        }
     }
 
     /// A stock prefill's expiry for the request's blocks, converted with the handshake's clock

@@ -150,11 +150,15 @@ struct Load {
     failed: Option<String>,
     /// Stamp READs to post once the data READs completed (stamped references).
     verify: Vec<Verify>,
-    /// Scratch slots the posted stamp READs land in, each with its prefill rank: checked,
+    /// Scratch slots the posted stamp READs land in, each with its stamp READ: checked,
     /// then given back, once `xfers` ended.
-    checking: Vec<(u32, u32)>,
-    /// Since when the load waits for scratch slots (all lent), if it does.
-    scratch_wait: Option<Duration>,
+    checking: Vec<(u32, Verify)>,
+    /// Since when the load waits for its stamps (scratch slots all lent, or a prefill rank
+    /// whose hold has not started), if it does.
+    stamp_wait: Option<Duration>,
+    /// A stamp READ found the reference's hold not started yet (its engine keeps the blocks
+    /// until then).
+    hold_pending: bool,
 }
 
 impl Load {
@@ -165,14 +169,15 @@ impl Load {
             failed,
             verify: Vec::new(),
             checking: Vec::new(),
-            scratch_wait: None,
+            stamp_wait: None,
+            hold_pending: false,
         }
     }
 }
 
 /// A stamp READ a load posts after its data READs: the prefill rank whose slot it reads,
-/// and the read-done note it carries (sent only then, so that the prefill holds the blocks
-/// until their slot was read).
+/// and the read-done note sent once the slot confirmed the hold (not before, so that the
+/// prefill holds the blocks until their slot was read).
 struct Verify {
     rank: u32,
     note: Vec<u8>,
@@ -355,6 +360,11 @@ impl<T: Transport> PullWorker<T> {
     pub fn stamp_reads_in_flight(&self) -> usize {
         (crate::pull::stamps::SCRATCH_SLOTS as usize).saturating_sub(self.scratch.free())
     }
+    /// Loads whose blocks arrived and whose prefill had not yet started holding their
+    /// reference when its stamp was read: they read the stamp again (tests).
+    pub fn loads_awaiting_holds(&self) -> usize {
+        self.loads.values().filter(|l| l.hold_pending).count()
+    }
     /// Notifications that were not kvxfer pull messages (dropped and counted).
     pub fn unknown_notifications(&self) -> u64 {
         self.unknown_notifications
@@ -470,9 +480,9 @@ impl<T: Transport> PullWorker<T> {
                 let _ = self.transport.release(x);
             }
         }
-        // No hold outlives the worker: decodes still reading find their slots cleared.
+        // No hold outlives the worker: decodes still reading find their slots released.
         for (_, stamp) in self.stamped.drain() {
-            self.stamps.clear(stamp);
+            self.stamps.release(stamp);
         }
         for engine in std::mem::take(&mut self.engines).into_values() {
             if let Engine::Ready { ranks, .. } = engine {
