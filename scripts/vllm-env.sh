@@ -74,4 +74,8 @@ if [ ! -f "$models/tiny-mla/model.safetensors" ]; then
     say "tiny seeded DeepSeek-V2 (multi-head latent attention)"
     "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-mla" --preset mla >&2
 fi
+if [ ! -f "$models/tiny-mamba2/model.safetensors" ]; then
+    say "tiny seeded Mamba2 (state, no KV cache)"
+    "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-mamba2" --preset mamba2 >&2
+fi
 echo "$py"

@@ -282,6 +282,33 @@ mod tests {
         }
     }
 
+    /// A state cache holds one page per rank (its "head" of `tp_size`): equal TP sizes pair,
+    /// others are refused, since a rank's state is its shard of the model.
+    #[test]
+    fn state_caches_pair_only_at_equal_tp() {
+        let state = CacheSpec::new(CacheParams {
+            kind: CacheKind::State,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::U8,
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 19840,
+            tokens_per_block: 1,
+            num_blocks: 100,
+        })
+        .unwrap();
+        let side = |tp_size| SideLayout {
+            spec: &state,
+            tp_size,
+            total_kv_heads: tp_size,
+            total_layers: 2,
+        };
+        assert_eq!(check_compatible(&side(1), &side(1)), Ok(()));
+        assert_eq!(check_compatible(&side(2), &side(2)), Ok(()));
+        let text = check_compatible(&side(1), &side(2)).unwrap_err()[0].to_string();
+        assert!(text.starts_with("total KV heads"), "{text}");
+    }
+
     #[test]
     fn lists_every_mismatch() {
         let (a, b) = (spec(8, Dtype::Bf16, 16), spec(3, Dtype::F16, 24));

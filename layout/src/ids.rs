@@ -11,7 +11,7 @@ pub fn layer_regions(spec: &CacheSpec, layer: u32) -> Result<std::ops::Range<u32
     in_range(layer.into(), spec.num_layers().into(), "layer")?;
     let per_layer = match spec.kind() {
         CacheKind::SplitKv => 2,
-        CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => 1,
+        CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv | CacheKind::State => 1,
         CacheKind::CrossLayer => {
             return Err(LayoutError::Unsupported(
                 "a cross-layer cache has no per-layer regions".into(),

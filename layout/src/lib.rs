@@ -39,8 +39,8 @@ pub use plan::{
 };
 pub use pp::{LayerRange, PpSplit};
 pub use spec::{
-    BlockOrder, ByteRange, CacheKind, CacheParams, CacheSpec, MAX_DIM, Part, PartLocation,
-    StridedBytes,
+    BlockOrder, ByteRange, CacheKind, CacheParams, CacheSpec, MAX_DIM, MAX_STATE_PAGE, Part,
+    PartLocation, StridedBytes,
 };
 pub use token_plan::{
     TokenPairs, plan_token_transfer, plan_token_transfer_into, shared_unit, whole_blocks_only,

@@ -394,7 +394,7 @@ fn sweep_for(src: &CacheSpec, dst: &CacheSpec, slice: HeadSlice) -> Result<Sweep
     // All products below are bounded by the part block length, which the spec checked;
     // they are checked again because a peer's spec reaches here.
     let what = "head slice bytes";
-    let sweep = if src.is_head_major() || src.kind() == CacheKind::Mla {
+    let sweep = if src.is_head_major() || matches!(src.kind(), CacheKind::Mla | CacheKind::State) {
         let head_bytes = mul(tokens, hb, what)?;
         Sweep::Whole {
             src_off: mul(slice.src_first.into(), head_bytes, what)?,

@@ -140,7 +140,9 @@ impl PpSplit {
         };
         let per_stage = match kind {
             CacheKind::SplitKv => range.count.checked_mul(2).ok_or_else(overflow)?,
-            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => range.count,
+            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv | CacheKind::State => {
+                range.count
+            }
             CacheKind::CrossLayer => {
                 return Err(LayoutError::Unsupported(
                     "a cross-layer cache has one pointer for all its layers, not one per layer"

@@ -2,7 +2,7 @@
 //!
 //! A spec *describes* memory; it never allocates it. Regions are numbered the way vLLM's
 //! NixlConnector numbers them: split K/V gives `[K0, V0, K1, V1, ...]`; joint K/V, packed
-//! K/V and MLA give one region per layer; a cross-layer cache is one region.
+//! K/V, MLA and recurrent state give one region per layer; a cross-layer cache is one region.
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,6 +13,10 @@ use crate::{Dtype, LayoutError, Result};
 /// Bound on layers, heads, head dim, tokens per block and TP sizes: far above any real
 /// model, low enough that products of a few of them never overflow before we check.
 pub const MAX_DIM: u32 = 1 << 20;
+
+/// Bound on a state page's elements ([`CacheKind::State`]'s `head_dim`): 1 Gi, far above a
+/// real layer's state (Mamba2 2.7B: 2.6 MB in fp32).
+pub const MAX_STATE_PAGE: u32 = 1 << 30;
 
 /// How K and V are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,6 +43,13 @@ pub enum CacheKind {
     ///
     /// [`PackedKv`]: CacheKind::PackedKv
     CrossLayer,
+    /// Recurrent state (Mamba's convolution and SSM state, linear attention): one region per
+    /// layer, each block one page of a request's state, `head_dim` elements that only the
+    /// model's kernels interpret. No tokens (`tokens_per_block` 1) and no heads (`kv_heads`
+    /// 1): a page moves whole, between ranks holding the same shard of the model, so between
+    /// equal TP sizes only (the sharding is [`crate::HeadSharding::Split`] with one "head" per
+    /// rank, which refuses any other pairing).
+    State,
 }
 
 impl fmt::Display for CacheKind {
@@ -49,6 +60,7 @@ impl fmt::Display for CacheKind {
             CacheKind::Mla => "mla",
             CacheKind::PackedKv => "packed-kv",
             CacheKind::CrossLayer => "cross-layer",
+            CacheKind::State => "state",
         })
     }
 }
@@ -64,8 +76,9 @@ impl FromStr for CacheKind {
             "mla" => Ok(CacheKind::Mla),
             "packed-kv" => Ok(CacheKind::PackedKv),
             "cross-layer" => Ok(CacheKind::CrossLayer),
+            "state" => Ok(CacheKind::State),
             other => Err(LayoutError::Unsupported(format!(
-                "unknown cache kind {other:?} (known: split-kv, joint-kv, mla, packed-kv, cross-layer)"
+                "unknown cache kind {other:?} (known: split-kv, joint-kv, mla, packed-kv, cross-layer, state)"
             ))),
         }
     }
@@ -116,6 +129,8 @@ pub enum Part {
     /// K and V of a packed cache, interleaved per head and token (the only part of a
     /// packed layer, and of a layer's page in a cross-layer cache).
     PackedKv,
+    /// A recurrent state page (the only part of a state layer).
+    State,
 }
 
 /// The parameters of a cache spec, all public so callers can build them literally.
@@ -205,11 +220,16 @@ impl CacheSpec {
         ];
         for (value, field) in dims {
             nonzero(value.into(), field)?;
-            if value > MAX_DIM {
+            // A state page is one "head" of a model's whole per-layer state.
+            let limit = match (params.kind, field) {
+                (CacheKind::State, "head_dim") => MAX_STATE_PAGE,
+                _ => MAX_DIM,
+            };
+            if value > limit {
                 return Err(LayoutError::TooLarge {
                     what: field,
                     value: value.into(),
-                    limit: MAX_DIM.into(),
+                    limit: limit.into(),
                 });
             }
         }
@@ -220,9 +240,15 @@ impl CacheSpec {
                 params.kv_heads
             )));
         }
+        if params.kind == CacheKind::State && (params.kv_heads, params.tokens_per_block) != (1, 1) {
+            return Err(LayoutError::Unsupported(format!(
+                "a state cache has one page per block, so kv_heads and tokens_per_block must be 1 (got {} and {})",
+                params.kv_heads, params.tokens_per_block
+            )));
+        }
         let vectors_per_slot = match params.kind {
             CacheKind::PackedKv | CacheKind::CrossLayer => 2,
-            CacheKind::SplitKv | CacheKind::JointKv | CacheKind::Mla => 1,
+            CacheKind::SplitKv | CacheKind::JointKv | CacheKind::Mla | CacheKind::State => 1,
         };
         let head_elements = mul(params.head_dim.into(), vectors_per_slot, "head elements")?;
         let head_token_bytes = mul(head_elements, params.dtype.width(), "head bytes")?;
@@ -246,7 +272,9 @@ impl CacheSpec {
         let num_regions = match params.kind {
             // num_layers <= MAX_DIM, so doubling cannot overflow.
             CacheKind::SplitKv => params.num_layers.saturating_mul(2),
-            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv => params.num_layers,
+            CacheKind::JointKv | CacheKind::Mla | CacheKind::PackedKv | CacheKind::State => {
+                params.num_layers
+            }
             CacheKind::CrossLayer => 1,
         };
         // The whole cache must be addressable too.
@@ -317,10 +345,11 @@ impl CacheSpec {
     }
 
     /// The parts of every layer: `[Key, Value]`, `[Latent]` for MLA, `[PackedKv]` for a
-    /// packed or cross-layer cache.
+    /// packed or cross-layer cache, `[State]` for a state cache.
     pub fn parts(&self) -> &'static [Part] {
         match self.params.kind {
             CacheKind::Mla => &[Part::Latent],
+            CacheKind::State => &[Part::State],
             CacheKind::PackedKv | CacheKind::CrossLayer => &[Part::PackedKv],
             CacheKind::SplitKv | CacheKind::JointKv => &[Part::Key, Part::Value],
         }
@@ -368,7 +397,7 @@ impl CacheSpec {
             (CacheKind::SplitKv, Part::Value) => (split_k.saturating_add(1), 0),
             (CacheKind::JointKv, Part::Key) => (layer, 0),
             (CacheKind::JointKv, Part::Value) => (layer, self.part_block_len),
-            (CacheKind::Mla, Part::Latent) => (layer, 0),
+            (CacheKind::Mla, Part::Latent) | (CacheKind::State, Part::State) => (layer, 0),
             (CacheKind::PackedKv, Part::PackedKv) => (layer, 0),
             // layer < num_layers, and num_layers pages make a block the spec checked.
             (CacheKind::CrossLayer, Part::PackedKv) => {
@@ -465,9 +494,10 @@ impl CacheSpec {
     }
 
     /// True when heads are the outer in-block dimension (HND with more than one head).
-    /// MLA and single-head caches behave the same in both orders.
+    /// MLA, state and single-head caches behave the same in both orders.
     pub(crate) fn is_head_major(&self) -> bool {
-        self.params.order == BlockOrder::Hnd && self.params.kind != CacheKind::Mla
+        self.params.order == BlockOrder::Hnd
+            && !matches!(self.params.kind, CacheKind::Mla | CacheKind::State)
     }
 }
 
@@ -505,6 +535,51 @@ mod tests {
             num_blocks: 256,
         })
         .unwrap()
+    }
+
+    #[test]
+    fn a_state_cache_is_one_page_per_block_and_layer() {
+        let p = CacheParams {
+            kind: CacheKind::State,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::U8,
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 19840,
+            tokens_per_block: 1,
+            num_blocks: 8,
+        };
+        let s = CacheSpec::new(p).unwrap();
+        assert_eq!((s.block_len(), s.num_regions()), (19840, 2));
+        assert_eq!(s.parts(), &[Part::State]);
+        assert_eq!(s.locate(1, Part::State).unwrap().region, 1);
+        assert!(s.locate(0, Part::Latent).is_err());
+        for bad in [
+            CacheParams { kv_heads: 2, ..p },
+            CacheParams {
+                tokens_per_block: 16,
+                ..p
+            },
+            CacheParams {
+                head_dim: MAX_STATE_PAGE + 1,
+                ..p
+            },
+        ] {
+            assert!(CacheSpec::new(bad).is_err(), "{bad:?}");
+        }
+        // A page may hold more elements than any head (MAX_DIM), as a layer's state does.
+        let big = CacheParams {
+            head_dim: 3 << 20,
+            ..p
+        };
+        assert!(CacheSpec::new(big).is_ok());
+        let mla = CacheParams {
+            kind: CacheKind::Mla,
+            ..big
+        };
+        assert!(CacheSpec::new(mla).is_err());
+        assert_eq!("state".parse::<CacheKind>().unwrap(), CacheKind::State);
+        assert_eq!(CacheKind::State.to_string(), "state");
     }
 
     #[test]

@@ -54,6 +54,7 @@ pub fn whole_blocks_only(kind: CacheKind) -> Option<&'static str> {
             Some("a packed K/V cache (vLLM's CPU cache) is not addressable by token")
         }
         CacheKind::CrossLayer => Some("a cross-layer cache interleaves layers inside each block"),
+        CacheKind::State => Some("a state cache holds a request's state, not its tokens"),
         CacheKind::SplitKv | CacheKind::JointKv | CacheKind::Mla => None,
     }
 }

@@ -258,30 +258,79 @@ def _describe_latent_cache(
     }
 
 
+def describe_state_cache(kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The kvxfer layout of vLLM's Mamba state tensors: per layer, the raw page buffer vLLM
+    hands connectors (`[blocks, ..., page]`, one page per block holding the layer's
+    convolution state, then its SSM state), described as bytes: kvxfer moves a request's
+    page whole and never looks inside. Raises ValueError naming what does not fit."""
+    if not kv_caches:
+        raise ValueError("no state tensors to register")
+    names = sorted(kv_caches, key=_layer_key)
+    first = kv_caches[names[0]]
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"{names[0]}: {type(first).__name__}: expected the layer's page tensor")
+    num_blocks = first.shape[0]
+    page = first.stride(0) * first.element_size()
+    for name in names:
+        t = kv_caches[name]
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a host tensor of state pages")
+        block = t[0]
+        if (
+            t.shape[0] != num_blocks
+            or t.stride(0) * t.element_size() != page
+            or not block.is_contiguous()
+            or block.numel() * t.element_size() != page
+        ):
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}, strides {t.stride()}: expected "
+                f"[blocks={num_blocks}, ...] of contiguous {page}-byte state pages"
+            )
+    return {
+        "kind": "state",
+        "order": "HND",
+        "dtype": "u8",
+        "num_layers": len(names),
+        "kv_heads": 1,
+        "head_dim": page,
+        "tokens_per_block": 1,
+        "num_blocks": num_blocks,
+        "bases": [kv_caches[n].data_ptr() for n in names],
+    }
+
+
 @dataclass(frozen=True)
 class CacheGroup:
     """One KV cache group vLLM hands block ids for: its layers, and the attention window in
-    tokens of a sliding-window group (None: full attention)."""
+    tokens of a sliding-window group (None: full attention). A state group (Mamba) holds
+    one running state per request, in the last of its blocks but `scratch` (vLLM's
+    speculative-decoding slots after it)."""
 
     layers: tuple[str, ...]
     window: int | None
+    state: bool = False
+    scratch: int = 0
 
 
 def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
     """The KV cache groups whose blocks move (vLLM's transfer groups), read from vLLM's
-    `kv_cache_config`. Raises ValueError naming a group kvxfer cannot move: state groups
-    (Mamba, linear attention), and block sizes that differ from the engine's."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    `kv_cache_config`. Raises ValueError naming a group kvxfer cannot move: linear-attention
+    state, Mamba state cached per block (prefix caching), Mamba beside attention layers, and
+    attention block sizes that differ from the engine's."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     out = []
     for g in kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
         kind = type(spec).__name__
+        layers = tuple(sorted(g.layer_names, key=_layer_key))
+        if isinstance(spec, MambaSpec):
+            out.append(_state_group(spec, layers))
+            continue
         if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
             raise ValueError(
                 f"KV cache group of {list(g.layer_names)[:3]}...: {kind} is not supported "
-                "(kvxfer moves full and sliding-window attention groups; Mamba and "
-                "linear-attention state groups are refused)"
+                "(kvxfer moves full and sliding-window attention groups and Mamba state)"
             )
         if spec.block_size != block_size:
             raise ValueError(
@@ -295,8 +344,35 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
                 "is not supported"
             )
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        out.append(CacheGroup(tuple(sorted(g.layer_names, key=_layer_key)), window))
+        out.append(CacheGroup(layers, window))
+    if any(g.state for g in out) and not all(g.state for g in out):
+        raise ValueError(
+            "a model with both Mamba and attention layers is not supported yet (kvxfer moves "
+            "Mamba-only models' state, and attention-only models' KV)"
+        )
     return out
+
+
+def _state_group(spec: Any, layers: tuple[str, ...]) -> CacheGroup:
+    """A Mamba group: one running state per request (`mamba_cache_mode` "none"). With prefix
+    caching vLLM keeps a state per block ("align", "all"), which kvxfer does not move yet."""
+    mode = str(getattr(spec, "mamba_cache_mode", "none"))
+    if mode != "none":
+        raise ValueError(
+            f"Mamba state cached per block (mamba_cache_mode {mode!r}, from prefix caching) is "
+            "not supported yet: start the engines without --enable-prefix-caching"
+        )
+    return CacheGroup(layers, None, state=True, scratch=int(spec.num_speculative_blocks))
+
+
+def state_block(ids: list[int], scratch: int) -> list[int]:
+    """A state group's block that holds the request's running state: the last one before
+    the `scratch` speculative slots (none before vLLM allocated any)."""
+    ids = _held(ids)
+    if not ids:
+        return ids
+    keep = len(ids) - min(scratch, len(ids) - 1)
+    return ids[keep - 1 : keep]
 
 
 def _held(ids: list[int]) -> list[int]:
@@ -358,6 +434,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._groups = cache_groups(kv_cache_config, self._block_size)
             self._transfer_ids = tuple(kv_cache_config.transfer_group_ids)
         self._sliding = any(g.window is not None for g in self._groups)
+        # Mamba state: one running state per request, which the decode must receive as it
+        # stood before the last prompt token (it cannot compute that token again on top).
+        self._state = any(g.state for g in self._groups)
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
         self._registration: kvxfer.Registration | None = None
@@ -408,14 +487,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return (count, True) if count > 0 else (0, False)
 
     def _stop_before_last_token(self, request: Request) -> None:
-        """Prefill side, with a sliding-window group: computes every prompt token but the
-        last, which the decode computes (see `_load_end`). vLLM then frees the blocks that no
-        window from the decode's first token on reads; computing the last token too, it
-        would free the first block of that token's window whenever the window starts a
-        block. vLLM's NixlConnector stops short the same way for Mamba state."""
+        """Prefill side, with a sliding-window group or Mamba state: computes every prompt
+        token but the last, which the decode computes (see `_load_end`). A sliding window:
+        vLLM then frees the blocks that no window from the decode's first token on reads;
+        computing the last token too, it would free the first block of that token's window
+        whenever the window starts a block. Mamba: the decode needs the state before the
+        last token, to compute that token's output on it (vLLM's NixlConnector stops short
+        the same way)."""
         params = request.kv_transfer_params
         ids = request.prompt_token_ids
-        if not self._sliding or params is None or params.get("_kvxfer_stopped_short"):
+        stops_short = self._sliding or self._state
+        if not stops_short or params is None or params.get("_kvxfer_stopped_short"):
             return
         if ids is None or len(ids) < 2:
             return
@@ -426,10 +508,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         params["_kvxfer_stopped_short"] = True
 
     def _load_end(self, prompt_len: int) -> int:
-        """The prompt tokens a decode loads: all, or with a sliding-window group all but the
-        last, which the decode then computes itself: vLLM keeps the blocks that token's
-        window reads only when it is not counted as computed (loaded, vLLM recomputes it
-        with its window's first block already freed when the window starts a block)."""
+        """The prompt tokens a decode loads: all, or with a sliding-window group or Mamba
+        state all but the last, which the decode then computes itself: vLLM keeps the
+        blocks that token's window reads only when it is not counted as computed (loaded,
+        vLLM recomputes it with its window's first block already freed when the window
+        starts a block), and a state holds every token it saw (see
+        `_stop_before_last_token`)."""
+        if self._state:
+            # A one-token prompt loads nothing: the decode computes it from the start.
+            return max(prompt_len - 1, 0)
         return prompt_len - 1 if self._sliding and prompt_len > 1 else prompt_len
 
     def update_state_after_alloc(
@@ -462,7 +549,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # computed the whole prompt.
             computed = int(params.get("remote_num_tokens") or prompt_len)
             blocks = -(-computed // self._block_size) - -(-loaded // self._block_size)
-            drop = max(0, blocks)
+            # A state group lists one block, the state, whatever the tokens.
+            drop = 0 if self._state else max(0, blocks)
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         # What the prefill's hold must name: the tokens it computed, which are this prompt's.
         computed_by_prefill = params.get("remote_num_tokens")
@@ -498,7 +586,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, [list(block_ids)])
+        return self._finished(request, self._per_group([list(block_ids)], None))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -510,13 +598,19 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> list[list[int]]:
         """The block ids of each group that moves, as vLLM lists them per KV cache group,
         without the null blocks of freed out-of-window blocks; with the tokens a decode
-        `loaded`, a sliding-window group keeps only the blocks its window reads."""
+        `loaded`, a sliding-window group keeps only the blocks its window reads; a state
+        group, its running state's block."""
         if len(block_ids) == 1 or not self._groups:
-            return [_held(list(block_ids[0]))] if block_ids else [[]]
+            ids = list(block_ids[0]) if block_ids else []
+            if len(self._groups) == 1 and self._groups[0].state:
+                return [state_block(ids, self._groups[0].scratch)]
+            return [_held(ids)]
         out = []
         for i, g in zip(self._transfer_ids, self._groups, strict=True):
             ids = list(block_ids[i])
-            if loaded is None:
+            if g.state:
+                out.append(state_block(ids, g.scratch))
+            elif loaded is None:
                 out.append(_held(ids))
             else:
                 out.append(window_blocks(ids, g.window, loaded, self._block_size))
@@ -573,14 +667,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             names = sorted(kv_caches, key=_layer_key)
             index = {n: i for i, n in enumerate(names)}
             groups = [sorted(index[n] for n in g.layers) for g in self._groups]
-        layout = describe_cache(
-            kv_caches,
-            kv_heads=model.get_num_kv_heads(par),
-            head_size=model.get_head_size(),
-            block_size=cfg.cache_config.block_size,
-            kv_cache_dtype=str(cfg.cache_config.cache_dtype),
-            mla=bool(model.use_mla),
-        )
+        if self._state:
+            layout = describe_state_cache(kv_caches)
+            # One state page per rank: the model's "heads" are its TP ranks.
+            total_kv_heads = int(par.tensor_parallel_size)
+        else:
+            layout = describe_cache(
+                kv_caches,
+                kv_heads=model.get_num_kv_heads(par),
+                head_size=model.get_head_size(),
+                block_size=cfg.cache_config.block_size,
+                kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+                mla=bool(model.use_mla),
+            )
+            total_kv_heads = model.get_total_num_kv_heads()
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank()
@@ -591,6 +691,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 "kvxfer: stock vLLM peers disabled: a hybrid model (%d KV cache groups) pairs "
                 "with kvxfer peers only",
                 len(groups),
+            )
+        elif self._state and bool(e.get("vllm_peers", True)):
+            log.warning(
+                "kvxfer: stock vLLM peers disabled: Mamba state pairs with kvxfer peers only"
             )
         elif bool(e.get("vllm_peers", True)):
             import vllm
@@ -619,7 +723,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             engine_id=self._engine_id,
             tp_rank=tp_rank,
             tp_size=par.tensor_parallel_size,
-            total_kv_heads=model.get_total_num_kv_heads(),
+            total_kv_heads=total_kv_heads,
             total_layers=model.hf_text_config.num_hidden_layers,
             side_channel_host=self._host,
             side_channel_port=self._port,

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from harness import HYBRID_MODEL, MLA_MODEL, MODEL, STOCK, Engine, free_port, start
+from harness import HYBRID_MODEL, MAMBA_MODEL, MLA_MODEL, MODEL, STOCK, Engine, free_port, start
 
 HANDSHAKE_TIMEOUT = 10
 
@@ -267,3 +267,17 @@ def mla_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     }
     with running(list(engines.values()), logdir):
         yield engines
+
+
+@pytest.fixture(scope="module")
+def mamba_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode of a Mamba2 model (per-request state, no KV cache) with
+    KvxferConnector, UCX."""
+    _usable_or_skip("ucx", MAMBA_MODEL)
+    logdir = tmp_path_factory.mktemp("vllm-mamba")
+    engines = [
+        Engine(f"{role}-mamba", cpus, {"side_channel_port": free_port()}, logdir, model=MAMBA_MODEL)
+        for role, cpus in (("prefill", "0"), ("decode", "1"))
+    ]
+    with running(engines, logdir):
+        yield engines[0], engines[1]

@@ -20,6 +20,8 @@ MODEL = Path(os.environ.get("KVXFER_TEST_MODEL", str(MODELS / "tiny-llama")))
 HYBRID_MODEL = MODELS / "tiny-hybrid"
 # A DeepSeek-V2 with multi-head latent attention (make_model.py's `mla` preset).
 MLA_MODEL = MODELS / "tiny-mla"
+# A Mamba2: per-request state instead of a KV cache (make_model.py's `mamba2` preset).
+MAMBA_MODEL = MODELS / "tiny-mamba2"
 KVXFER = ("KvxferConnector", "kvxfer.vllm")
 STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 _handed_out: set[int] = set()

@@ -6,7 +6,9 @@ Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token)
 gpt-oss interleave them: vLLM's hybrid KV cache manager gives the two kinds separate KV cache
 groups that share memory), `mla` (a DeepSeek-V2: 2 dense layers with multi-head latent
 attention, a 512-wide latent and 64 rotary dims, the sizes vLLM's CPU MLA kernel runs: one
-576-element latent cache entry per token and layer, fp32), and `llama8b-kv`: Llama-3-8B's
+576-element latent cache entry per token and layer, fp32), `mamba2` (2 Mamba2 layers, 8 heads
+of 32 with a 16-wide state and a 4-tap convolution: one 19,840-byte state page per request
+and layer, fp32, no KV cache), and `llama8b-kv`: Llama-3-8B's
 KV geometry (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token, as the real
 model) with a hidden size of 256 and 8 query heads, so a CPU prefill costs seconds instead of
 minutes; the query heads do not change the KV cache.
@@ -62,6 +64,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 64,
     },
+    "mamba2": {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "expand": 2,
+        "head_dim": 32,
+        "num_heads": 8,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "chunk_size": 256,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "time_step_rank": 8,
+        "layer_norm_epsilon": 1e-5,
+        "torch_dtype": "float32",
+    },
     "llama8b-kv": {
         "hidden_size": 256,
         "num_attention_heads": 8,
@@ -75,8 +97,55 @@ PRESETS: dict[str, dict[str, Any]] = {
 VOCAB = 1000
 
 
+def mamba2(out: Path, c: dict[str, Any]) -> None:
+    """A Mamba2 model (HF's `Mamba2ForCausalLM` names): seeded weights, decay rates A that
+    span fast to slow (so the state carries the prompt), the skip D at 1."""
+    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    inner, heads = int(c["expand"]) * hidden, int(c["num_heads"])
+    state, groups, kernel = int(c["state_size"]), int(c["n_groups"]), int(c["conv_kernel"])
+    conv = inner + 2 * groups * state
+    g = torch.Generator().manual_seed(1234)
+
+    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    tensors = {
+        "backbone.embeddings.weight": w(VOCAB, hidden, scale=1.0),
+        "backbone.norm_f.weight": torch.ones(hidden),
+        "lm_head.weight": w(VOCAB, hidden),
+    }
+    for i in range(layers):
+        m = f"backbone.layers.{i}.mixer."
+        tensors |= {
+            f"backbone.layers.{i}.norm.weight": torch.ones(hidden),
+            m + "in_proj.weight": w(2 * inner + 2 * groups * state + heads, hidden),
+            m + "conv1d.weight": w(conv, 1, kernel, scale=0.3),
+            m + "conv1d.bias": w(conv),
+            m + "dt_bias": w(heads),
+            m + "A_log": torch.log(torch.linspace(1.0, 16.0, heads)),
+            m + "D": torch.ones(heads),
+            m + "norm.weight": torch.ones(inner),
+            m + "out_proj.weight": w(hidden, inner),
+        }
+    config = {
+        **c,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
 def main(out: Path, preset: str) -> None:
     c = PRESETS[preset]
+    if c.get("model_type") == "mamba2":
+        mamba2(out, c)
+        return
     hidden, heads, kv_heads = (
         int(c["hidden_size"]),
         int(c["num_attention_heads"]),

@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvxfer.vllm import CacheGroup, cache_groups, remote_blocks, window_blocks
+from kvxfer.vllm import CacheGroup, cache_groups, remote_blocks, state_block, window_blocks
 
 BLOCK = 32
 
@@ -47,13 +47,38 @@ def test_full_and_sliding_window_groups_are_read_in_layer_order() -> None:
     assert [g.window for g in only] == [None]
 
 
+def mamba(mode: str = "none", scratch: int = 0) -> MambaSpec:
+    return MambaSpec(
+        block_size=1024,
+        shapes=((3, 288), (8, 32, 16)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=scratch,
+    )
+
+
+def test_mamba_groups_move_their_state() -> None:
+    groups = cache_groups(config(mamba(), mamba(scratch=2)), BLOCK)
+    assert groups == [
+        CacheGroup(("model.layers.0.attn", "model.layers.2.attn"), None, state=True),
+        CacheGroup(("model.layers.1.attn", "model.layers.3.attn"), None, True, 2),
+    ]
+
+
+def test_a_state_group_moves_its_running_states_block() -> None:
+    assert state_block([0, 0, 9], 0) == [9]
+    # vLLM's speculative scratch slots follow the running state.
+    assert state_block([4, 5, 6], 2) == [4]
+    # Before vLLM allocated the scratch slots, the one block is the state.
+    assert state_block([7], 2) == [7]
+    assert state_block([], 1) == []
+
+
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (
-            MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,)),
-            "MambaSpec is not supported",
-        ),
+        (mamba(), "both Mamba and attention layers"),
+        (mamba("align"), "mamba_cache_mode 'align'"),
         (attention(block=16), "16-token blocks, the engine's are 32"),
         (attention(window=64, extra_retained_tokens=3), "retains 3 extra tokens"),
     ],

@@ -11,6 +11,7 @@ fn seed(layer: u32, part: Part, block: u32, token: u32, head: u32) -> u64 {
         Part::Value => 2,
         Part::Latent => 3,
         Part::PackedKv => 4,
+        Part::State => 5,
     };
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in [

@@ -65,6 +65,21 @@ impl Model {
         }
     }
 
+    /// A small state (Mamba) model at TP `tp`: one page of 40 bytes per block, layer and
+    /// rank, the rank's shard of the model (its one "head").
+    pub fn state(tp: u32) -> Self {
+        Model {
+            kind: CacheKind::State,
+            order: BlockOrder::Hnd,
+            layers: 2,
+            heads: tp,
+            head_dim: 40,
+            tokens: 1,
+            blocks: 16,
+            dtype: Dtype::U8,
+        }
+    }
+
     /// The cache a rank registers for `cache`'s memory: one region each, one group.
     pub fn kv_cache(&self, cache: &RankCache) -> KvCache {
         KvCache {
@@ -118,6 +133,7 @@ pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e
         Part::Value => 2,
         Part::Latent => 3,
         Part::PackedKv => 4,
+        Part::State => 5,
     };
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in [

@@ -12,7 +12,7 @@ use crate::wire::params::{KvTransferParams, PeerProtocol};
 
 /// A load the workers must start: per KV cache group, read the tail of
 /// `remote_block_ids[g]` into `local_block_ids[g]`. No local block in any group (full local
-/// prefix hit) only notifies the prefill.
+/// prefix hit) only notifies the prefill, and is not reported ([`RecvRequest::notify_only`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvRequest {
     /// Request id (this engine's).
@@ -105,6 +105,13 @@ impl RecvRequest {
     /// Every local block of the load, all groups together.
     pub fn all_local_blocks(&self) -> Vec<u32> {
         self.local_block_ids.iter().flatten().copied().collect()
+    }
+
+    /// A load with no local block (a full local prefix hit): it only tells the prefill that
+    /// its blocks are no longer needed. The engine never waits for it, so the worker reports
+    /// it neither done nor failed (vLLM, told of a request it did not wait for, stops).
+    pub fn notify_only(&self) -> bool {
+        self.local_block_ids.iter().all(Vec::is_empty)
     }
 }
 

@@ -32,7 +32,9 @@ impl<T: Transport> PullWorker<T> {
                     .post_time
                     .tally(self.clock.now().saturating_sub(start));
                 if xfers.is_empty() {
-                    self.finished.recving.push(req.req_id.clone());
+                    if !req.notify_only() {
+                        self.finished.recving.push(req.req_id.clone());
+                    }
                 } else {
                     let posted = self.clock.now();
                     let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
@@ -226,6 +228,12 @@ impl<T: Transport> PullWorker<T> {
         Ok(posted)
     }
     pub(super) fn fail(&mut self, req: RecvRequest, reason: String) {
+        if req.notify_only() {
+            // The engine never waited for it: nothing to report, the prefill's lease ends
+            // the hold the note would have.
+            tracing::warn!(req = %req.req_id, engine = %req.engine_id, "read-done note for a prefix the engine held already not sent: {reason}");
+            return;
+        }
         self.finished.recving.push(req.req_id.clone());
         let invalid_blocks = req.all_local_blocks();
         self.finished.failed.push(FailedLoad {
