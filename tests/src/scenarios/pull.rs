@@ -303,6 +303,9 @@ pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory
         },
     );
     let params = ghost_params(&[1, 2]);
+    // A full prefix hit ("n": no local block) fails with it, unreported: the engine never
+    // waited for it.
+    dec.start_load("n", &params, &[], 0);
     dec.start_load("r", &params, &[5, 6], 8);
     let mut failed = Vec::new();
     let mut recv = Vec::new();
@@ -311,6 +314,11 @@ pub fn handshake_failure_returns_request_with_invalid_blocks<F: TransportFactory
         recv.extend(f[0].recving.clone());
         !failed.is_empty()
     });
+    for f in dec.poll() {
+        failed.extend(f.failed);
+        recv.extend(f.recving);
+    }
+    assert_eq!(failed.len(), 1, "{failed:?}");
     assert_eq!(
         recv,
         vec!["r".to_string()],

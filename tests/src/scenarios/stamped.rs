@@ -29,6 +29,8 @@ fn loaded_and_freed<T: Transport>(dec: &mut Engine<T>, pre: &mut Engine<T>, req:
         }
         loaded && freed
     });
+    // Freed by the decode's read-done note, not by the lease running out.
+    assert_eq!(pre.workers[0].take_metrics().expired_leases, 0);
 }
 
 /// Polls until decode rank 0's one load read its stamp and found the hold not started,
@@ -246,7 +248,10 @@ pub fn a_reference_never_held_fails_at_the_transfer_timeout<F: TransportFactory>
     // A second at a time, so that no single stamp READ is in flight for the whole timeout.
     let mut failed = Vec::new();
     let start = Instant::now();
+    let mut waited = 0;
     while failed.is_empty() {
+        waited += 1;
+        assert!(waited <= 32, "not failed at the 30 s transfer timeout");
         manual.advance(Duration::from_secs(1));
         loop {
             failed.extend(dec.poll()[0].failed.clone());

@@ -102,7 +102,8 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             };
-            // A stamping rank's data READ goes without its note: it goes once the stamp READ confirmed the hold.
+            // A stamping rank's data READ goes without its note: the note goes once the stamp
+            // READ confirmed the hold.
             let stamped = rank.stamps.is_some() && matches!(link.kind, LinkKind::Data(_));
             if stamped && req.stamp.is_none() {
                 return Err((
