@@ -269,14 +269,25 @@ def mla_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         yield engines
 
 
+MAMBA_LEASE = 5.0
+
+
 @pytest.fixture(scope="module")
 def mamba_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     """A prefill and a decode of a Mamba2 model (per-request state, no KV cache) with
-    KvxferConnector, UCX."""
+    KvxferConnector, UCX. The prefill holds unread state for MAMBA_LEASE seconds only, so
+    that a test can let a reference expire."""
     _usable_or_skip("ucx", MAMBA_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-mamba")
+    extra = {"prefill": {"lease": MAMBA_LEASE}, "decode": {}}
     engines = [
-        Engine(f"{role}-mamba", cpus, {"side_channel_port": free_port()}, logdir, model=MAMBA_MODEL)
+        Engine(
+            f"{role}-mamba",
+            cpus,
+            {"side_channel_port": free_port(), **extra[role]},
+            logdir,
+            model=MAMBA_MODEL,
+        )
         for role, cpus in (("prefill", "0"), ("decode", "1"))
     ]
     with running(engines, logdir):

@@ -3,8 +3,12 @@ The prefill computes every prompt token but the last and stops there; KvxferConn
 each layer's state page (convolution state, then SSM state) whole into the decode's state
 block; the decode computes the last prompt token on that state and generates exactly what it
 generates computing the whole prompt itself. A decode given another prompt's state generates
-otherwise, so the state it loads is the state it uses."""
+otherwise, so the state it loads is the state it uses. The pair's prefill holds unread state
+for a few seconds only: a reference past that lease fails its load (#38)."""
 
+import time
+
+from conftest import MAMBA_LEASE
 from flows import assert_same_output, decode, kvxfer_metrics, prefill, prompt, unchecked
 from harness import Engine
 
@@ -58,3 +62,22 @@ def test_a_one_token_prompt_is_computed_by_the_decode(
     assert d.call({"op": "external_tokens"}) == external
     (local,) = decode(d, [x], [None])
     assert_same_output(out, local)
+
+
+def test_a_reference_past_its_lease_fails_its_load(mamba_engines: tuple[Engine, Engine]) -> None:
+    """The prefill's lease ran out and other requests ran there since: the decode's load of
+    the old reference fails (the stamp says released), is counted, and the decode keeps
+    serving. vLLM's own connector would read whatever the freed block holds by then."""
+    p, d = mamba_engines
+    x = prompt(78, 120)
+    (old,) = prefill(p, [x])
+    time.sleep(MAMBA_LEASE + 1)
+    # Steps on the prefill expire the lease and free the state block for others.
+    prefill(p, [prompt(79 + i, 120) for i in range(4)])
+    stale = kvxfer_metrics(d).get("vllm:kvxfer_stale_references", 0)
+    (late,) = decode(d, [x], [old])
+    assert late["finish"] == "error" and late["tokens"] == [], late
+    assert kvxfer_metrics(d)["vllm:kvxfer_stale_references"] == stale + 1
+    (fresh,) = decode(d, [x], prefill(p, [x]))
+    (local,) = decode(d, [x], [None])
+    assert_same_output(fresh, local)
