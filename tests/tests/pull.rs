@@ -113,16 +113,18 @@ fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
     });
     assert_eq!(reported, vec!["r".to_string()]);
     dec.caches[0].verify(&[(1, 2)]).expect("bytes");
-    // Ended but not yet reported: a load with nothing to read ends when it starts.
+    // Ended but not yet reported: a load whose blocks do not pair fails when it starts.
     let mut both = meta.clone();
     both.recv[0].req_id = "s".into();
-    both.recv[0].local_block_ids.clear();
+    both.recv[0].remote_block_ids = vec![Vec::new()];
     both.recv.push(both.recv[0].clone());
     assert_eq!(
         dec.workers[0].start_load_kv(&both),
         vec![LoadRefused::AlreadyInFlight("s".into())]
     );
-    assert_eq!(dec.poll()[0].recving, vec!["s".to_string()]);
+    let f = dec.poll();
+    assert_eq!(f[0].recving, vec!["s".to_string()]);
+    assert_eq!(f[0].failed.len(), 1, "{:?}", f[0].failed);
     assert_eq!(dec.workers[0].take_metrics().refused_loads, 3);
     // Reported, the id may be loaded again.
     let mut again = meta.clone();
