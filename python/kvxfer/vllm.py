@@ -437,6 +437,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         # Mamba state: one running state per request, which the decode must receive as it
         # stood before the last prompt token (it cannot compute that token again on top).
         self._state = any(g.state for g in self._groups)
+        # Both make the prefill stop one token short (see `_stop_before_last_token`).
+        self._stops_short = self._sliding or self._state
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
         self._registration: kvxfer.Registration | None = None
@@ -496,8 +498,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         the same way)."""
         params = request.kv_transfer_params
         ids = request.prompt_token_ids
-        stops_short = self._sliding or self._state
-        if not stops_short or params is None or params.get("_kvxfer_stopped_short"):
+        if not self._stops_short or params is None or params.get("_kvxfer_stopped_short"):
             return
         if ids is None or len(ids) < 2:
             return

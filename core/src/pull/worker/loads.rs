@@ -429,9 +429,10 @@ impl<T: Transport> PullWorker<T> {
         use crate::pull::stamps::{Held, check};
         let stamp = req.stamp?;
         let mut refuted = None;
-        for (slot, v) in checking {
-            let read = self.scratch.read(slot);
-            self.scratch.give_back(vec![slot]);
+        let (slots, checks): (Vec<u32>, Vec<Verify>) = checking.into_iter().unzip();
+        let reads: Vec<[u64; 2]> = slots.iter().map(|&s| self.scratch.read(s)).collect();
+        self.scratch.give_back(slots);
+        for (read, v) in reads.into_iter().zip(checks) {
             match check(read, stamp) {
                 Ok(Held::Yes) => self.send_read_done(req, &v),
                 Ok(Held::NotYet) => {
