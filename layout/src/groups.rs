@@ -8,6 +8,11 @@
 //! usual (aliased regions repeat a base), and the partition of its layers into groups. A
 //! transfer moves each group's blocks through that group's layers only, planned on the
 //! group's own [`CacheSpec`] ([`LayerGroups::group_side`]).
+//!
+//! A group may hold recurrent state instead of attention KV (vLLM's Mamba layers beside
+//! attention layers, Nemotron-H-, Jamba-style): its layers' blocks are the same size as the
+//! attention layers' (vLLM pads the state page to the attention page), each one request's
+//! state page, moved whole as a [`CacheKind::State`] side of page-sized blocks.
 
 use crate::error::add;
 use crate::{CacheKind, CacheSpec, LayoutError, Result};
@@ -20,6 +25,8 @@ pub const MAX_GROUPS: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerGroups {
     groups: Vec<Vec<u32>>,
+    /// Per group: whether its blocks are state pages (see the module's documentation).
+    state: Vec<bool>,
 }
 
 impl LayerGroups {
@@ -69,14 +76,59 @@ impl LayerGroups {
                 "layer {missing} is in no KV cache group"
             )));
         }
-        Ok(LayerGroups { groups })
+        let state = vec![false; groups.len()];
+        Ok(LayerGroups { groups, state })
     }
 
     /// One group holding every layer (a model with one kind of attention).
     pub fn single(num_layers: u32) -> Self {
         LayerGroups {
             groups: vec![(0..num_layers).collect()],
+            state: vec![false],
         }
+    }
+
+    /// Marks groups `state_groups` (indices, each once) as holding state pages; at least one
+    /// group must stay attention (a cache of state alone is a [`CacheKind::State`] spec).
+    pub fn with_state(mut self, state_groups: &[u32]) -> Result<Self> {
+        let mut state = vec![false; self.groups.len()];
+        for &g in state_groups {
+            let slot = state.get_mut(g as usize).ok_or(LayoutError::OutOfRange {
+                what: "state KV cache group",
+                index: g.into(),
+                limit: self.groups.len() as u64,
+            })?;
+            if *slot {
+                return Err(LayoutError::Unsupported(format!(
+                    "KV cache group {g} is named a state group twice"
+                )));
+            }
+            *slot = true;
+        }
+        if state.iter().all(|&s| s) {
+            return Err(LayoutError::Unsupported(
+                "every KV cache group holds state: describe the cache as a state cache".into(),
+            ));
+        }
+        self.state = state;
+        Ok(self)
+    }
+
+    /// Whether group `group` holds state pages (false past the last group).
+    pub fn is_state(&self, group: usize) -> bool {
+        self.state.get(group).copied().unwrap_or(false)
+    }
+
+    /// The indices of the groups that hold state pages, in increasing order.
+    pub fn state_groups(&self) -> Vec<u32> {
+        (0..self.groups.len() as u32)
+            .filter(|&g| self.is_state(g as usize))
+            .collect()
+    }
+
+    /// Whether any group holds state pages.
+    pub fn has_state(&self) -> bool {
+        self.state.contains(&true)
     }
 
     /// Number of groups.
@@ -159,7 +211,9 @@ impl LayerGroups {
 
     /// The spec and region bases of group `group`'s layers alone (the spec's layer count is
     /// the group's; its region `i` is the cache's region of the group's `i`-th layer): a
-    /// cache side the planner moves that group's blocks on.
+    /// cache side the planner moves that group's blocks on. A state group's spec is a
+    /// [`CacheKind::State`] one whose page is the cache's whole block: one page per layer and
+    /// block, moved whole.
     pub fn group_side(
         &self,
         group: usize,
@@ -176,6 +230,25 @@ impl LayerGroups {
         params.num_layers = u32::try_from(layers.len()).map_err(|_| LayoutError::Overflow {
             what: "layers in a KV cache group",
         })?;
+        if self.is_state(group) {
+            if per_layer != 1 {
+                return Err(LayoutError::Unsupported(format!(
+                    "a state KV cache group beside a {} cache ({per_layer} regions per layer)",
+                    spec.kind()
+                )));
+            }
+            params.kind = CacheKind::State;
+            params.order = crate::BlockOrder::Hnd;
+            params.dtype = crate::Dtype::U8;
+            params.kv_heads = 1;
+            params.tokens_per_block = 1;
+            params.head_dim =
+                u32::try_from(spec.block_len()).map_err(|_| LayoutError::TooLarge {
+                    what: "state page bytes",
+                    value: spec.block_len(),
+                    limit: crate::MAX_STATE_PAGE.into(),
+                })?;
+        }
         let sub = CacheSpec::new(params)?;
         let mut sub_bases = Vec::with_capacity(layers.len().saturating_mul(per_layer));
         for &l in layers {
@@ -305,5 +378,42 @@ mod tests {
         let cross = spec(CacheKind::CrossLayer, 3);
         assert!(g.group_side(0, &cross, &[0x1000]).is_err());
         assert!(g.check_regions(&cross, &[0x1000]).is_err());
+    }
+
+    #[test]
+    fn a_state_groups_side_moves_whole_blocks_as_state_pages() {
+        // Mamba layers 0 and 2 beside attention layers 1 and 3, one region each (overlay).
+        let s = spec(CacheKind::PackedKv, 4);
+        let bases: Vec<u64> = (0..4).map(|i| 0x10_0000 * (i + 1)).collect();
+        let g = LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4)
+            .unwrap()
+            .with_state(&[0])
+            .unwrap();
+        assert!(g.has_state() && g.is_state(0) && !g.is_state(1) && !g.is_state(2));
+        assert_eq!(g.state_groups(), vec![0]);
+        let (st, b) = g.group_side(0, &s, &bases).unwrap();
+        assert_eq!(st.kind(), CacheKind::State);
+        assert_eq!((st.num_layers(), st.num_blocks()), (2, s.num_blocks()));
+        assert_eq!(
+            (st.block_len(), st.region_len()),
+            (s.block_len(), s.region_len())
+        );
+        assert_eq!(b, vec![bases[0], bases[2]]);
+        let (att, _) = g.group_side(1, &s, &bases).unwrap();
+        assert_eq!(att.kind(), CacheKind::PackedKv);
+        // The marks are part of the partition: a peer without them differs.
+        assert_ne!(
+            g,
+            LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4).unwrap()
+        );
+        // A state group needs one region per layer; bad marks are refused.
+        let split = spec(CacheKind::SplitKv, 4);
+        let split_bases: Vec<u64> = (0..8).map(|i| 0x10_0000 * (i + 1)).collect();
+        assert!(g.group_side(0, &split, &split_bases).is_err());
+        let two = || LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4).unwrap();
+        assert!(two().with_state(&[2]).is_err());
+        assert!(two().with_state(&[0, 0]).is_err());
+        assert!(two().with_state(&[0, 1]).is_err());
+        assert!(!two().with_state(&[]).unwrap().has_state());
     }
 }

@@ -190,7 +190,7 @@ impl PullWorker {
         side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
         heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
         failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None,
-        groups = None
+        groups = None, state_groups = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -226,6 +226,7 @@ impl PullWorker {
         prepared_lists: bool,
         vllm_compat: Option<&str>,
         groups: Option<Vec<Vec<u32>>>,
+        state_groups: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let mut cache = cache::build(CacheArgs {
             kind,
@@ -242,8 +243,16 @@ impl PullWorker {
             first_layer,
             memory,
         })?;
+        if state_groups.is_some() && groups.is_none() {
+            return Err(LayoutError::new_err(
+                "state_groups names KV cache groups, but no groups were given",
+            ));
+        }
         cache.groups = groups
-            .map(|g| kvxfer_layout::LayerGroups::new(g, num_layers))
+            .map(|g| {
+                kvxfer_layout::LayerGroups::new(g, num_layers)
+                    .and_then(|g| g.with_state(state_groups.as_deref().unwrap_or(&[])))
+            })
             .transpose()
             .map_err(|e| LayoutError::new_err(format!("KV cache groups: {e}")))?;
         if tp_size == 0 || tp_rank >= tp_size {

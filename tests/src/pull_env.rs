@@ -349,9 +349,21 @@ pub fn engine_with<T: Transport>(
     make: &dyn Fn(&str) -> T,
     kv: &dyn Fn(&RankCache) -> KvCache,
 ) -> Engine<T> {
+    engine_tp_with(name, model, 1, prefill, make, kv)
+}
+
+/// Like [`engine_with`] with `tp` ranks.
+pub fn engine_tp_with<T: Transport>(
+    name: &str,
+    model: &Model,
+    tp: u32,
+    prefill: bool,
+    make: &dyn Fn(&str) -> T,
+    kv: &dyn Fn(&RankCache) -> KvCache,
+) -> Engine<T> {
     let clock: Arc<dyn Clock> = Arc::new(kvxfer_core::clock::SystemClock::default());
     let bases = candidate_ports(name, prefill);
-    build(name, model, 1, prefill, bases, clock, make, &|_| {}, kv)
+    build(name, model, tp, prefill, bases, clock, make, &|_| {}, kv)
         .unwrap_or_else(|| panic!("no free port range for {name}"))
 }
 

@@ -98,6 +98,10 @@ pub struct LayoutWire {
     /// layers); absent for one group, so single-group handshakes are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub groups: Option<Vec<Vec<u32>>>,
+    /// The groups (indices into `groups`) whose blocks are state pages (Mamba layers beside
+    /// attention layers); absent when none are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_groups: Option<Vec<u32>>,
 }
 
 impl LayoutWire {
@@ -121,6 +125,7 @@ impl LayoutWire {
             total_layers,
             first_layer,
             groups: None,
+            state_groups: None,
         }
     }
 

@@ -22,6 +22,7 @@ macro_rules! pull_scenarios {
             loads_never_block_on_a_slow_handshake, lease_expiry_frees_held_blocks,
             compat_enforcement_can_be_disabled, setup_failure_returns_invalid_blocks,
             per_layer_windows_move_only_the_last_blocks, hybrid_groups_move_each_groups_blocks,
+            state_beside_attention_moves_whole_pages,
             a_failed_setup_is_reported_only_after_its_posted_reads_ended,
             a_prefill_with_another_block_size_is_read_by_token_ranges,
             consumed_foreign_and_unstamped_references_fail_their_loads,

@@ -783,6 +783,119 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     plain.caches[0].verify(&[]).expect("nothing written");
 }
 
+/// Mamba layers beside attention layers (Nemotron-H-style): layer 0's KV cache group holds
+/// state pages (one per request, each a whole block: vLLM pads the state page to the
+/// attention block), layer 1's attention KV; on the decode both layers share one region, as
+/// vLLM overlays them. The state block moves whole and the attention blocks as KV, in one
+/// READ; nothing else is written. A decode whose groups do not mark the state group is
+/// refused naming both partitions, and so is a decode of another TP size.
+pub fn state_beside_attention_moves_whole_pages<F: TransportFactory>(f: &F) {
+    use crate::pull_env::{RankCache, engine_tp_with, engine_with};
+    use kvxfer_core::pull::KvCache;
+    let model = Model {
+        kind: kvxfer_layout::CacheKind::PackedKv,
+        ..Model::small(BlockOrder::Hnd, 2)
+    };
+    let groups = |state: &[u32]| {
+        kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2)
+            .and_then(|g| g.with_state(state))
+            .unwrap()
+    };
+    let marked = |state: &'static [u32]| {
+        move |c: &RankCache| KvCache {
+            groups: Some(groups(state)),
+            ..model.kv_cache(c)
+        }
+    };
+    let overlaid = |state: &'static [u32]| {
+        let kv = marked(state);
+        move |c: &RankCache| {
+            let mut out = kv(c);
+            out.bases = vec![out.bases[0], out.bases[0]];
+            out
+        }
+    };
+    let mut pre = engine_with("mix-P", &model, true, &mk(f), &marked(&[0]));
+    let mut dec = engine_with("mix-D", &model, false, &mk(f), &overlaid(&[0]));
+    let asks = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let decision =
+        pre.scheduler
+            .request_finished("r", Some(&asks), true, &[vec![3], vec![5, 6]], None);
+    let mut params = decision.params.expect("params");
+    let meta = pre.scheduler.build_step_meta();
+    pre.workers[0].start_load_kv(&meta);
+    dec.scheduler
+        .after_alloc("r", &mut params, &[vec![9], vec![12, 13]], 8, None, None)
+        .expect("after alloc");
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    let mut failures = Vec::new();
+    poll_until_pair(
+        &mut dec,
+        &mut pre,
+        &mut [false],
+        &mut [false],
+        &mut failures,
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    let m = dec.workers[0].take_metrics();
+    let block = model.spec(2).block_len();
+    assert_eq!(
+        m.bytes,
+        block * (1 + 2),
+        "one state page, two attention blocks"
+    );
+    assert_eq!(m.transfers, 1, "both groups in one READ");
+    // The decode's one region: block 9 holds the prefill's layer-0 page of block 3 whole,
+    // blocks 12 and 13 its layer-1 blocks 5 and 6; every other block keeps its guard bytes.
+    let (src, dst) = (&pre.caches[0], &dec.caches[0]);
+    let region = src.spec.region_len() as usize;
+    let at = |r: usize, b: u32| r * region + b as usize * block as usize;
+    for b in 0..model.blocks {
+        let got = &dst.mem[at(0, b)..at(0, b) + block as usize];
+        let from = match b {
+            9 => Some(at(0, 3)),
+            12 | 13 => Some(at(1, b - 7)),
+            _ => None,
+        };
+        match from {
+            Some(s) => assert!(got == &src.mem[s..s + block as usize], "block {b}"),
+            None => assert!(
+                got.iter().all(|&x| x == crate::pull_env::GUARD),
+                "block {b} was written"
+            ),
+        }
+    }
+    // The same partition without the state mark: refused, naming both.
+    let mut unmarked = engine_with("mix-D1", &model, false, &mk(f), &overlaid(&[]));
+    let (handed, local) = ([vec![4], vec![7]], [vec![1], vec![2]]);
+    let failed = failed_handoff(&mut pre, &mut unmarked, "r2", &handed, &local, 4, None);
+    assert!(
+        failed.reason.contains(
+            "KV cache groups (layers of each): local [[0], [1]], remote [[0] state, [1]]"
+        ),
+        "{}",
+        failed.reason
+    );
+    unmarked.caches[0].verify(&[]).expect("nothing written");
+    // A decode of TP 2 (one head per rank): each rank's state page is its own shard.
+    let mut wide = engine_tp_with("mix-D2", &model, 2, false, &mk(f), &overlaid(&[0]));
+    let failed = failed_handoff(&mut pre, &mut wide, "r3", &handed, &local, 4, None);
+    assert!(
+        failed
+            .reason
+            .contains("state KV cache groups (Mamba) move between equal TP sizes only"),
+        "{}",
+        failed.reason
+    );
+    for c in &wide.caches {
+        c.verify(&[]).expect("nothing written");
+    }
+}
+
 /// A prefill whose blocks hold 4 tokens and a decode whose blocks hold 8, then the reverse:
 /// the load maps token ranges. The decode already holds the first 8 tokens (a prefix hit)
 /// and loads tokens 8..21; each lands at its own place in the decode's blocks with the

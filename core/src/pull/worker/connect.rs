@@ -11,6 +11,7 @@ use kvxfer_layout::{
     check_compatible,
 };
 
+use super::loads::whole_rank;
 use super::vllm::{StockPrefill, layout_name, stock_handshake};
 use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
@@ -256,16 +257,40 @@ impl<T: Transport> PullWorker<T> {
                     }
                     Some(g) => Some(
                         LayerGroups::new(g.clone(), spec.num_layers())
+                            .and_then(|g| {
+                                g.with_state(layout.state_groups.as_deref().unwrap_or(&[]))
+                            })
                             .map_err(|e| format!("KV cache groups: {e}"))?,
                     ),
+                    None if layout.state_groups.is_some() => {
+                        return Err("state KV cache groups named without KV cache groups".into());
+                    }
                     None => None,
                 };
-                let ours = own.groups.as_ref().map(LayerGroups::as_slice);
-                if ours != groups.as_ref().map(LayerGroups::as_slice) {
+                if own.groups != groups {
                     problems.push(format!(
                         "KV cache groups (layers of each): local {}, remote {}",
-                        groups_name(ours),
-                        groups_name(groups.as_ref().map(LayerGroups::as_slice))
+                        groups_name(own.groups.as_ref()),
+                        groups_name(groups.as_ref())
+                    ));
+                }
+                let state =
+                    |g: &Option<LayerGroups>| g.as_ref().is_some_and(LayerGroups::has_state);
+                if (state(&own.groups) || state(&groups))
+                    && mapping.prefill_tp() != self.config.tp_size
+                {
+                    // A rank's state page holds its own shard of each layer's heads, laid
+                    // out inside the page by the model: it moves rank to rank, whole.
+                    problems.push(format!(
+                        "TP size: local {}, remote {}; state KV cache groups (Mamba) move between equal TP sizes only",
+                        self.config.tp_size,
+                        mapping.prefill_tp()
+                    ));
+                }
+                if state(&own.groups) && !self.reads_whole_rank(mapping, rank, &spec) {
+                    problems.push(format!(
+                        "state KV cache groups (Mamba): decode rank {} would not read prefill rank {rank} whole, as its state pages need",
+                        self.config.tp_rank
                     ));
                 }
                 (spec, layout.first_layer, groups)
@@ -337,6 +362,26 @@ impl<T: Transport> PullWorker<T> {
         remote.lists = self.block_lists(mapping, rank, &remote);
         Ok(remote)
     }
+    /// Whether this decode rank's only data link is prefill rank `rank` of the same index,
+    /// carrying every head of both ranks (`theirs`: that rank's spec): what moving state
+    /// pages rank to rank needs.
+    fn reads_whole_rank(&self, mapping: &TpMapping, rank: u32, theirs: &CacheSpec) -> bool {
+        let own = self.config.tp_rank;
+        let heads = self.cache.spec.kv_heads();
+        let Ok(links) = mapping.links_for_decode(own) else {
+            return false;
+        };
+        let data: Vec<_> = links
+            .iter()
+            .filter_map(|l| match l.kind {
+                LinkKind::Data(s) => Some((l.prefill_rank, s)),
+                LinkKind::NotifyOnly => None,
+            })
+            .collect();
+        rank != own
+            || matches!(data.as_slice(), [(r, s)] if *r == own && *s == whole_rank(heads) && theirs.kv_heads() == heads)
+    }
+
     /// Prepares per-block lists for the link with prefill rank `rank`, when the transport
     /// builds requests faster from them and the link carries data; `None` keeps raw posts.
     pub(super) fn block_lists(
@@ -531,7 +576,20 @@ fn kvxfer_peer(meta: crate::wire::handshake::HandshakeMeta) -> Fetched {
     }
 }
 
-/// KV cache groups as a mismatch names them (`one` for a single group).
-fn groups_name(groups: Option<&[Vec<u32>]>) -> String {
-    groups.map_or_else(|| "one".to_string(), |g| format!("{g:?}"))
+/// KV cache groups as a mismatch names them (`one` for a single group; a state group's
+/// layers followed by `state`).
+fn groups_name(groups: Option<&LayerGroups>) -> String {
+    let Some(g) = groups else {
+        return "one".to_string();
+    };
+    let each: Vec<String> = g
+        .as_slice()
+        .iter()
+        .enumerate()
+        .map(|(i, layers)| {
+            let mark = if g.is_state(i) { " state" } else { "" };
+            format!("{layers:?}{mark}")
+        })
+        .collect();
+    format!("[{}]", each.join(", "))
 }

@@ -579,6 +579,16 @@ impl<T: Transport> PullWorker<T> {
     }
 }
 
+/// The slice of a link that carries every one of a rank's `heads`, at the same place on
+/// both sides.
+pub(super) fn whole_rank(heads: u32) -> HeadSlice {
+    HeadSlice {
+        src_first: 0,
+        dst_first: 0,
+        count: heads,
+    }
+}
+
 /// A READ's local and remote address ranges, as a plan gives them.
 type Ranges = (
     Vec<crate::transport::AddrRange>,
@@ -668,6 +678,7 @@ fn plan_read(
     let (mut bytes, mut raw) = (0u64, 0u64);
     let mut add = |src: &CacheSide<'_>,
                    dst: &CacheSide<'_>,
+                   slice: HeadSlice,
                    pairs: &BlockPairs<'_>,
                    plan: &mut TransferPlan|
      -> Result<(), String> {
@@ -692,7 +703,7 @@ fn plan_read(
                 dst: dst_blocks,
                 windows: own.layer_windows.as_deref(),
             };
-            add(&src, &dst, &blocks, plan)?;
+            add(&src, &dst, slice, &blocks, plan)?;
         }
         (Some(theirs), Some(ours)) if theirs == ours => {
             for (g, (src_blocks, dst_blocks)) in pairs.iter().enumerate() {
@@ -704,6 +715,18 @@ fn plan_read(
                     .group_side(g, &remote.spec, &remote.bases)
                     .map_err(layout)?;
                 let (ospec, obases) = ours.group_side(g, &own.spec, &own.bases).map_err(layout)?;
+                // A state group moves the rank's page whole: the handshake let through only
+                // links that read a whole prefill rank of the same index.
+                let slice = if ours.is_state(g) {
+                    if slice != whole_rank(own.spec.kv_heads()) {
+                        return Err(format!(
+                            "KV cache group {g}: state pages move rank to rank whole, not heads {slice:?}"
+                        ));
+                    }
+                    whole_rank(1)
+                } else {
+                    slice
+                };
                 // Groups span the whole model on both sides (KvCache::check, the handshake).
                 let src = CacheSide::new(&rspec, &rbases, 0).map_err(layout)?;
                 let dst = CacheSide::new(&ospec, &obases, 0).map_err(layout)?;
@@ -712,7 +735,7 @@ fn plan_read(
                     dst: dst_blocks,
                     windows: None,
                 };
-                add(&src, &dst, &blocks, plan)?;
+                add(&src, &dst, slice, &blocks, plan)?;
             }
         }
         _ => return Err("the prefill's KV cache groups differ from this cache's".into()),

@@ -252,6 +252,11 @@ impl<T: Transport> PullWorker<T> {
             cache.first_layer,
         );
         layout.groups = cache.groups.as_ref().map(|g| g.as_slice().to_vec());
+        layout.state_groups = cache
+            .groups
+            .as_ref()
+            .filter(|g| g.has_state())
+            .map(LayerGroups::state_groups);
         let meta = HandshakeMeta {
             engine_id: config.engine_id.clone(),
             agent_metadata: transport.metadata()?,
