@@ -78,4 +78,8 @@ if [ ! -f "$models/tiny-mamba2/model.safetensors" ]; then
     say "tiny seeded Mamba2 (state, no KV cache)"
     "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-mamba2" --preset mamba2 >&2
 fi
+if [ ! -f "$models/tiny-nemotron-h/model.safetensors" ]; then
+    say "tiny seeded Nemotron-H (Mamba2 beside attention)"
+    "$py" "$root/python/tests_vllm/make_model.py" "$models/tiny-nemotron-h" --preset nemotron-h >&2
+fi
 echo "$py"

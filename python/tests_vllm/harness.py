@@ -22,6 +22,8 @@ HYBRID_MODEL = MODELS / "tiny-hybrid"
 MLA_MODEL = MODELS / "tiny-mla"
 # A Mamba2: per-request state instead of a KV cache (make_model.py's `mamba2` preset).
 MAMBA_MODEL = MODELS / "tiny-mamba2"
+# Mamba2 layers beside attention layers (make_model.py's `nemotron-h` preset).
+NEMOTRON_MODEL = MODELS / "tiny-nemotron-h"
 KVXFER = ("KvxferConnector", "kvxfer.vllm")
 STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 _handed_out: set[int] = set()

@@ -8,7 +8,9 @@ groups that share memory), `mla` (a DeepSeek-V2: 2 dense layers with multi-head 
 attention, a 512-wide latent and 64 rotary dims, the sizes vLLM's CPU MLA kernel runs: one
 576-element latent cache entry per token and layer, fp32), `mamba2` (2 Mamba2 layers, 8 heads
 of 32 with a 16-wide state and a 4-tap convolution: one 19,840-byte state page per request
-and layer, fp32, no KV cache), and `llama8b-kv`: Llama-3-8B's
+and layer, fp32, no KV cache), `nemotron-h` (a Nemotron-H: Mamba2, attention, Mamba2,
+attention, the Mamba layers as `mamba2`'s and the attention as `tiny`'s: two KV cache groups
+sharing memory, each state page padded to the attention block), and `llama8b-kv`: Llama-3-8B's
 KV geometry (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token, as the real
 model) with a hidden size of 256 and 8 query heads, so a CPU prefill costs seconds instead of
 minutes; the query heads do not change the KV cache.
@@ -84,6 +86,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_norm_epsilon": 1e-5,
         "torch_dtype": "float32",
     },
+    "nemotron-h": {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hidden_size": 128,
+        # Mamba, attention, Mamba, attention: two KV cache groups sharing memory.
+        "hybrid_override_pattern": "M*M*",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 256,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 256,
+        "mamba_hidden_act": "silu",
+        "mlp_hidden_act": "relu2",
+        "use_bias": False,
+        "use_conv_bias": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "residual_in_fp32": False,
+        "layer_norm_epsilon": 1e-5,
+        "rms_norm_eps": 1e-5,
+        "time_step_limit": [0.0, 1e9],
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_floor": 1e-4,
+        "mamba_proj_bias": False,
+        "rescale_prenorm_residual": True,
+        "torch_dtype": "float32",
+    },
     "llama8b-kv": {
         "hidden_size": 256,
         "num_attention_heads": 8,
@@ -141,10 +178,70 @@ def mamba2(out: Path, c: dict[str, Any]) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
+def nemotron_h(out: Path, c: dict[str, Any]) -> None:
+    """A Nemotron-H (HF's `NemotronHForCausalLM` names): Mamba2 mixers (`M`) and attention
+    mixers (`*`) as `hybrid_override_pattern` orders them, seeded weights as `mamba2`'s."""
+    hidden, heads, kv_heads = (
+        int(c["hidden_size"]),
+        int(c["num_attention_heads"]),
+        int(c["num_key_value_heads"]),
+    )
+    head_dim, m_heads = int(c["head_dim"]), int(c["mamba_num_heads"])
+    inner = m_heads * int(c["mamba_head_dim"])
+    state, groups, kernel = int(c["ssm_state_size"]), int(c["n_groups"]), int(c["conv_kernel"])
+    conv = inner + 2 * groups * state
+    g = torch.Generator().manual_seed(1234)
+
+    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    tensors = {
+        "backbone.embeddings.weight": w(VOCAB, hidden, scale=1.0),
+        "backbone.norm_f.weight": torch.ones(hidden),
+        "lm_head.weight": w(VOCAB, hidden),
+    }
+    for i, kind in enumerate(str(c["hybrid_override_pattern"])):
+        m = f"backbone.layers.{i}.mixer."
+        tensors[f"backbone.layers.{i}.norm.weight"] = torch.ones(hidden)
+        if kind == "M":
+            tensors |= {
+                m + "in_proj.weight": w(2 * inner + 2 * groups * state + m_heads, hidden),
+                m + "conv1d.weight": w(conv, 1, kernel, scale=0.3),
+                m + "conv1d.bias": w(conv),
+                m + "dt_bias": w(m_heads),
+                m + "A_log": torch.log(torch.linspace(1.0, 16.0, m_heads)),
+                m + "D": torch.ones(m_heads),
+                m + "norm.weight": torch.ones(inner),
+                m + "out_proj.weight": w(hidden, inner),
+            }
+        else:
+            tensors |= {
+                m + "q_proj.weight": w(heads * head_dim, hidden),
+                m + "k_proj.weight": w(kv_heads * head_dim, hidden),
+                m + "v_proj.weight": w(kv_heads * head_dim, hidden),
+                m + "o_proj.weight": w(hidden, heads * head_dim),
+            }
+    config = {
+        **c,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
 def main(out: Path, preset: str) -> None:
     c = PRESETS[preset]
     if c.get("model_type") == "mamba2":
         mamba2(out, c)
+        return
+    if c.get("model_type") == "nemotron_h":
+        nemotron_h(out, c)
         return
     hidden, heads, kv_heads = (
         int(c["hidden_size"]),

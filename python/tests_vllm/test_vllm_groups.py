@@ -65,6 +65,11 @@ def test_mamba_groups_move_their_state() -> None:
     ]
 
 
+def test_mamba_beside_attention_moves_both_groups() -> None:
+    groups = cache_groups(config(mamba(), attention()), BLOCK)
+    assert [(g.state, g.window) for g in groups] == [(True, None), (False, None)]
+
+
 def test_a_state_group_moves_its_running_states_block() -> None:
     assert state_block([0, 0, 9], 0) == [9]
     # vLLM's speculative scratch slots follow the running state.
@@ -77,7 +82,6 @@ def test_a_state_group_moves_its_running_states_block() -> None:
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (mamba(), "both Mamba and attention layers"),
         (mamba("align"), "mamba_cache_mode 'align'"),
         (attention(block=16), "16-token blocks, the engine's are 32"),
         (attention(window=64, extra_retained_tokens=3), "retains 3 extra tokens"),
