@@ -391,6 +391,10 @@ mod tests {
             .unwrap();
         assert!(g.has_state() && g.is_state(0) && !g.is_state(1) && !g.is_state(2));
         assert_eq!(g.state_groups(), vec![0]);
+        let second = LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4)
+            .and_then(|g| g.with_state(&[1]))
+            .unwrap();
+        assert_eq!(second.state_groups(), vec![1]);
         let (st, b) = g.group_side(0, &s, &bases).unwrap();
         assert_eq!(st.kind(), CacheKind::State);
         assert_eq!((st.num_layers(), st.num_blocks()), (2, s.num_blocks()));

@@ -11,7 +11,7 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype};
+use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype, LayerGroups};
 use serde::{Deserialize, Serialize};
 
 use super::{WireError, check_size};
@@ -149,6 +149,23 @@ impl LayoutWire {
             num_blocks: self.num_blocks,
         })
         .map_err(|e| invalid(e.to_string()))
+    }
+
+    /// The validated KV cache groups of a cache of `num_layers` layers, state groups marked;
+    /// `None` for one group.
+    pub fn to_groups(&self, num_layers: u32) -> Result<Option<LayerGroups>, WireError> {
+        let invalid = |reason: String| WireError::Invalid {
+            what: "KV cache groups",
+            reason,
+        };
+        match (&self.groups, &self.state_groups) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(invalid("state groups named without KV cache groups".into())),
+            (Some(g), state) => LayerGroups::new(g.clone(), num_layers)
+                .and_then(|g| g.with_state(state.as_deref().unwrap_or(&[])))
+                .map(Some)
+                .map_err(|e| invalid(e.to_string())),
+        }
     }
 }
 
@@ -312,6 +329,25 @@ mod tests {
             back.kvxfer_layout.unwrap().groups,
             Some(vec![vec![0], vec![1]])
         );
+    }
+
+    /// State groups are marked only with groups, at valid indices; absent, none are.
+    #[test]
+    fn state_groups_mark_groups_a_peer_named() {
+        let mut l = sample().kvxfer_layout.unwrap();
+        assert_eq!(l.to_groups(2).unwrap(), None);
+        l.state_groups = Some(vec![0]);
+        assert!(l.to_groups(2).is_err(), "state groups without groups");
+        l.groups = Some(vec![vec![0], vec![1]]);
+        let g = l.to_groups(2).unwrap().unwrap();
+        assert!(g.is_state(0) && !g.is_state(1));
+        l.state_groups = None;
+        assert!(!l.to_groups(2).unwrap().unwrap().has_state());
+        for bad in [vec![2], vec![0, 1], vec![1, 1]] {
+            l.state_groups = Some(bad.clone());
+            assert!(l.to_groups(2).is_err(), "{bad:?}");
+        }
+        assert!(l.to_groups(3).is_err(), "groups naming 2 of 3 layers");
     }
 
     #[test]

@@ -11,7 +11,6 @@ use kvxfer_layout::{
     check_compatible,
 };
 
-use super::loads::whole_rank;
 use super::vllm::{StockPrefill, layout_name, stock_handshake};
 use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
@@ -255,17 +254,9 @@ impl<T: Transport> PullWorker<T> {
                     {
                         return Err("KV cache groups from a pipeline stage: unsupported".into());
                     }
-                    Some(g) => Some(
-                        LayerGroups::new(g.clone(), spec.num_layers())
-                            .and_then(|g| {
-                                g.with_state(layout.state_groups.as_deref().unwrap_or(&[]))
-                            })
-                            .map_err(|e| format!("KV cache groups: {e}"))?,
-                    ),
-                    None if layout.state_groups.is_some() => {
-                        return Err("state KV cache groups named without KV cache groups".into());
-                    }
-                    None => None,
+                    _ => layout
+                        .to_groups(spec.num_layers())
+                        .map_err(|e| e.to_string())?,
                 };
                 if own.groups != groups {
                     problems.push(format!(
@@ -285,12 +276,6 @@ impl<T: Transport> PullWorker<T> {
                         "TP size: local {}, remote {}; state KV cache groups (Mamba) move between equal TP sizes only",
                         self.config.tp_size,
                         mapping.prefill_tp()
-                    ));
-                }
-                if state(&own.groups) && !self.reads_whole_rank(mapping, rank, &spec) {
-                    problems.push(format!(
-                        "state KV cache groups (Mamba): decode rank {} would not read prefill rank {rank} whole, as its state pages need",
-                        self.config.tp_rank
                     ));
                 }
                 (spec, layout.first_layer, groups)
@@ -362,26 +347,6 @@ impl<T: Transport> PullWorker<T> {
         remote.lists = self.block_lists(mapping, rank, &remote);
         Ok(remote)
     }
-    /// Whether this decode rank's only data link is prefill rank `rank` of the same index,
-    /// carrying every head of both ranks (`theirs`: that rank's spec): what moving state
-    /// pages rank to rank needs.
-    fn reads_whole_rank(&self, mapping: &TpMapping, rank: u32, theirs: &CacheSpec) -> bool {
-        let own = self.config.tp_rank;
-        let heads = self.cache.spec.kv_heads();
-        let Ok(links) = mapping.links_for_decode(own) else {
-            return false;
-        };
-        let data: Vec<_> = links
-            .iter()
-            .filter_map(|l| match l.kind {
-                LinkKind::Data(s) => Some((l.prefill_rank, s)),
-                LinkKind::NotifyOnly => None,
-            })
-            .collect();
-        rank != own
-            || matches!(data.as_slice(), [(r, s)] if *r == own && *s == whole_rank(heads) && theirs.kv_heads() == heads)
-    }
-
     /// Prepares per-block lists for the link with prefill rank `rank`, when the transport
     /// builds requests faster from them and the link carries data; `None` keeps raw posts.
     pub(super) fn block_lists(

@@ -581,7 +581,7 @@ impl<T: Transport> PullWorker<T> {
 
 /// The slice of a link that carries every one of a rank's `heads`, at the same place on
 /// both sides.
-pub(super) fn whole_rank(heads: u32) -> HeadSlice {
+fn whole_rank(heads: u32) -> HeadSlice {
     HeadSlice {
         src_first: 0,
         dst_first: 0,
@@ -716,7 +716,7 @@ fn plan_read(
                     .map_err(layout)?;
                 let (ospec, obases) = ours.group_side(g, &own.spec, &own.bases).map_err(layout)?;
                 // A state group moves the rank's page whole: the handshake let through only
-                // links that read a whole prefill rank of the same index.
+                // equal TP sizes, where each rank reads the rank of its index whole.
                 let slice = if ours.is_state(g) {
                     if slice != whole_rank(own.spec.kv_heads()) {
                         return Err(format!(
