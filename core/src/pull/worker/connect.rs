@@ -265,11 +265,9 @@ impl<T: Transport> PullWorker<T> {
                         groups_name(groups.as_ref())
                     ));
                 }
-                let state =
-                    |g: &Option<LayerGroups>| g.as_ref().is_some_and(LayerGroups::has_state);
-                if (state(&own.groups) || state(&groups))
-                    && mapping.prefill_tp() != self.config.tp_size
-                {
+                // Groups that differ were refused above: this cache's marks are the peer's.
+                let state = own.groups.as_ref().is_some_and(LayerGroups::has_state);
+                if state && mapping.prefill_tp() != self.config.tp_size {
                     // A rank's state page holds its own shard of each layer's heads, laid
                     // out inside the page by the model: it moves rank to rank, whole.
                     problems.push(format!(
