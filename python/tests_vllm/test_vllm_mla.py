@@ -64,3 +64,16 @@ def test_latents_of_another_prompt_change_the_output(mla_engines: dict[str, Engi
     (oracle,) = decode(e["stock-decode"], [x], prefill(e["stock-prefill"], [x]))
     assert wrong["finish"] == "length", wrong
     assert wrong["logprobs"] != oracle["logprobs"], "the decode ignored the latents it pulled"
+
+
+def test_kvxfer_and_stock_engines_pair_both_ways(mla_engines: dict[str, Engine]) -> None:
+    """A mixed fleet: a kvxfer decode loads a stock prefill's latents, and a stock decode a
+    kvxfer prefill's; each generates what the all-stock pair does (vLLM does not compare
+    the layout name of an MLA cache, whose one "head" makes HND and NHD the same bytes)."""
+    e = mla_engines
+    x = prompt(99, 100)
+    (oracle,) = decode(e["stock-decode"], [x], prefill(e["stock-prefill"], [x]))
+    (ours,) = decode(e["kvxfer-decode"], [x], prefill(e["stock-prefill"], [x]))
+    assert_same_output(ours, oracle)
+    (theirs,) = decode(e["stock-decode"], [x], prefill(e["kvxfer-prefill"], [x]))
+    assert_same_output(theirs, oracle)

@@ -187,7 +187,9 @@ impl<T: Transport> PullWorker<T> {
                     "a cross-layer cache ({ours}) does not pair with stock vLLM peers yet"
                 ));
             }
-            if n.kv_cache_layout != ours {
+            // An MLA cache has one "head": vLLM names its layout by the engine's setting
+            // (NHD on CPU) and, as here, does not compare it.
+            if own.spec.kind() != CacheKind::Mla && n.kv_cache_layout != ours {
                 problems.push(format!(
                     "kv_cache_layout: local {ours}, remote {}",
                     n.kv_cache_layout
