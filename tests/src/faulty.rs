@@ -12,6 +12,7 @@
 //! error from the post itself). Completions can be held back: the wrapped transport's
 //! transfers report `InProgress` until released, whatever happened to them, so a suite
 //! shows that nothing is reported (or handed back to an engine) before its transfers end.
+//! Notifications can be failed too: the next few sends return an error, sending nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -28,6 +29,9 @@ pub const INJECTED: &str = "injected failure (kvxfer-tests Faulty)";
 /// What an injected post refusal returns.
 pub const REFUSED: &str = "injected post refusal (kvxfer-tests Faulty)";
 
+/// What an injected notification failure returns.
+pub const UNSENT: &str = "injected notification failure (kvxfer-tests Faulty)";
+
 /// What is armed.
 #[derive(Debug, Default)]
 struct Armed {
@@ -39,6 +43,8 @@ struct Armed {
     refuse: bool,
     /// Every forwarded transfer reports `InProgress`, whatever the wrapped transport says.
     hold: bool,
+    /// Notifications that fail to send, from the next one on.
+    unsent: usize,
 }
 
 /// How one post goes.
@@ -79,6 +85,19 @@ impl FaultSwitch {
 
     fn held(&self) -> bool {
         self.armed().hold
+    }
+
+    /// The next `n` notifications sent through the transport fail without being sent.
+    pub fn fail_next_notifications(&self, n: usize) {
+        self.armed().unsent = n;
+    }
+
+    /// Consumes one notification's share of what is armed: whether it fails.
+    fn take_notification(&self) -> bool {
+        let mut a = self.armed();
+        let fail = a.unsent > 0;
+        a.unsent = a.unsent.saturating_sub(1);
+        fail
     }
 
     /// Consumes one post's share of what is armed.
@@ -272,6 +291,9 @@ impl<T: Transport> Transport for Faulty<T> {
     }
 
     fn send_notification(&mut self, peer: PeerId, message: &[u8]) -> TransportResult<()> {
+        if self.switch.take_notification() {
+            return Err(TransportError::Backend(UNSENT.into()));
+        }
         self.inner.send_notification(peer, message)
     }
 

@@ -30,7 +30,8 @@ macro_rules! pull_scenarios {
             the_prefill_holds_the_blocks_until_their_stamp_was_read,
             a_request_held_again_keeps_only_its_new_reference,
             a_reference_read_before_its_hold_started_loads_once_it_starts,
-            a_reference_never_held_fails_at_the_transfer_timeout);
+            a_reference_never_held_fails_at_the_transfer_timeout,
+            an_unsent_read_done_note_is_counted_and_the_blocks_stay_held);
     };
 }
 

@@ -170,6 +170,40 @@ pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFacto
     assert_eq!(dec.workers[0].take_metrics().verified_references, 1);
 }
 
+/// A read-done note that cannot be sent (its send fails after the data and the stamp were
+/// read): the load is still done (the stamp confirmed the blocks), the failure is counted,
+/// and the prefill keeps holding the blocks (its lease frees them later).
+pub fn an_unsent_read_done_note_is_counted_and_the_blocks_stay_held<F: TransportFactory>(f: &F) {
+    let (mut pre, mut dec) = faulty_pair(f, "unsent", 1);
+    let faults = dec.workers[0].transport().faults();
+    faults.hold_completions(true);
+    let a = pre.finish_prefill("a", &[1, 2]);
+    dec.start_load("a", &a, &[5, 6], 8);
+    let start = Instant::now();
+    while dec.workers[0].transport().in_flight() == 0 {
+        dec.poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "no READ posted");
+        std::thread::yield_now();
+    }
+    // Heartbeats went out with the load's start; the next notification is the note.
+    faults.fail_next_notifications(1);
+    faults.hold_completions(false);
+    poll_until(&mut [&mut dec], |_, f| {
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        f[0].recving.iter().any(|r| r == "a")
+    });
+    dec.caches[0].verify(&[(1, 5), (2, 6)]).expect("bytes");
+    let m = dec.workers[0].take_metrics();
+    assert_eq!((m.verified_references, m.failed_notifications), (1, 1));
+    for _ in 0..50 {
+        assert!(
+            pre.poll()[0].sending.is_empty(),
+            "the prefill freed blocks whose read-done note never came"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A request held again (its scheduler said so twice) keeps only the new reference: the
 /// old one's slot is released then, not left to outlive the hold.
 pub fn a_request_held_again_keeps_only_its_new_reference<F: TransportFactory>(f: &F) {

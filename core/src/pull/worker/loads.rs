@@ -462,6 +462,7 @@ impl<T: Transport> PullWorker<T> {
         };
         let sent = peer.map(|p| self.transport.send_notification(p, &v.note));
         if !matches!(sent, Some(Ok(()))) {
+            self.metrics.failed_notifications.tally(1);
             tracing::warn!(req = %req.req_id, rank = v.rank, "read-done note not sent: the prefill's lease frees the blocks");
         }
     }
