@@ -304,6 +304,19 @@ def describe_state_cache(
     }
 
 
+def describe_engine_cache(kv_caches: dict[str, torch.Tensor], cfg: VllmConfig) -> dict[str, Any]:
+    """`describe_cache` of `kv_caches` with the engine's model and cache settings."""
+    par, model = cfg.parallel_config, cfg.model_config
+    return describe_cache(
+        kv_caches,
+        kv_heads=model.get_num_kv_heads(par),
+        head_size=model.get_head_size(),
+        block_size=cfg.cache_config.block_size,
+        kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+        mla=bool(model.use_mla),
+    )
+
+
 def describe_mixed_cache(
     kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], cfg: VllmConfig
 ) -> dict[str, Any]:
@@ -312,18 +325,10 @@ def describe_mixed_cache(
     order. vLLM pads each Mamba layer's state page to the attention page, so a block of any
     layer is one page; a state group's blocks move as whole pages. Raises ValueError when a
     state page's stride is not the attention block's."""
-    par, model = cfg.parallel_config, cfg.model_config
     state_layers = {n for g in groups if g.state for n in g.layers}
     attention = {n: t for n, t in kv_caches.items() if n not in state_layers}
     state = {n: t for n, t in kv_caches.items() if n in state_layers}
-    layout = describe_cache(
-        attention,
-        kv_heads=model.get_num_kv_heads(par),
-        head_size=model.get_head_size(),
-        block_size=cfg.cache_config.block_size,
-        kv_cache_dtype=str(cfg.cache_config.cache_dtype),
-        mla=bool(model.use_mla),
-    )
+    layout = describe_engine_cache(attention, cfg)
     if layout["kind"] != "packed-kv":
         raise ValueError(
             f"Mamba layers beside a {layout['kind']} attention cache are not supported "
@@ -741,14 +746,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # One state page per rank: the model's "heads" are its TP ranks.
             total_kv_heads = int(par.tensor_parallel_size)
         else:
-            layout = describe_cache(
-                kv_caches,
-                kv_heads=model.get_num_kv_heads(par),
-                head_size=model.get_head_size(),
-                block_size=cfg.cache_config.block_size,
-                kv_cache_dtype=str(cfg.cache_config.cache_dtype),
-                mla=bool(model.use_mla),
-            )
+            layout = describe_engine_cache(kv_caches, cfg)
             total_kv_heads = model.get_total_num_kv_heads()
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

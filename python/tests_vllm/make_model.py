@@ -18,6 +18,7 @@ minutes; the query heads do not change the KV cache.
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,36 +135,39 @@ PRESETS: dict[str, dict[str, Any]] = {
 VOCAB = 1000
 
 
-def mamba2(out: Path, c: dict[str, Any]) -> None:
-    """A Mamba2 model (HF's `Mamba2ForCausalLM` names): seeded weights, decay rates A that
-    span fast to slow (so the state carries the prompt), the skip D at 1."""
-    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
-    inner, heads = int(c["expand"]) * hidden, int(c["num_heads"])
-    state, groups, kernel = int(c["state_size"]), int(c["n_groups"]), int(c["conv_kernel"])
-    conv = inner + 2 * groups * state
+Draw = Callable[..., torch.Tensor]
+
+
+def seeded() -> Draw:
+    """Seeded normal weights of a shape, scaled (0.05 unless `scale`)."""
     g = torch.Generator().manual_seed(1234)
 
     def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    tensors = {
-        "backbone.embeddings.weight": w(VOCAB, hidden, scale=1.0),
-        "backbone.norm_f.weight": torch.ones(hidden),
-        "lm_head.weight": w(VOCAB, hidden),
+    return w
+
+
+def mamba_mixer(
+    w: Draw, prefix: str, hidden: int, inner: int, heads: int, state: int, groups: int, kernel: int
+) -> dict[str, torch.Tensor]:
+    """A Mamba2 mixer's weights (HF names under `prefix`): decay rates A that span fast to
+    slow (so the state carries the prompt), the skip D at 1."""
+    conv = inner + 2 * groups * state
+    return {
+        prefix + "in_proj.weight": w(2 * inner + 2 * groups * state + heads, hidden),
+        prefix + "conv1d.weight": w(conv, 1, kernel, scale=0.3),
+        prefix + "conv1d.bias": w(conv),
+        prefix + "dt_bias": w(heads),
+        prefix + "A_log": torch.log(torch.linspace(1.0, 16.0, heads)),
+        prefix + "D": torch.ones(heads),
+        prefix + "norm.weight": torch.ones(inner),
+        prefix + "out_proj.weight": w(hidden, inner),
     }
-    for i in range(layers):
-        m = f"backbone.layers.{i}.mixer."
-        tensors |= {
-            f"backbone.layers.{i}.norm.weight": torch.ones(hidden),
-            m + "in_proj.weight": w(2 * inner + 2 * groups * state + heads, hidden),
-            m + "conv1d.weight": w(conv, 1, kernel, scale=0.3),
-            m + "conv1d.bias": w(conv),
-            m + "dt_bias": w(heads),
-            m + "A_log": torch.log(torch.linspace(1.0, 16.0, heads)),
-            m + "D": torch.ones(heads),
-            m + "norm.weight": torch.ones(inner),
-            m + "out_proj.weight": w(hidden, inner),
-        }
+
+
+def save_backbone_model(out: Path, c: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Writes a `backbone.`-named model (Mamba2, Nemotron-H) and its config."""
     config = {
         **c,
         "vocab_size": VOCAB,
@@ -178,9 +182,33 @@ def mamba2(out: Path, c: dict[str, Any]) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
+def backbone(w: Draw, hidden: int) -> dict[str, torch.Tensor]:
+    """The embeddings, final norm and LM head of a `backbone.`-named model."""
+    return {
+        "backbone.embeddings.weight": w(VOCAB, hidden, scale=1.0),
+        "backbone.norm_f.weight": torch.ones(hidden),
+        "lm_head.weight": w(VOCAB, hidden),
+    }
+
+
+def mamba2(out: Path, c: dict[str, Any]) -> None:
+    """A Mamba2 model (HF's `Mamba2ForCausalLM` names), seeded weights."""
+    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    inner, heads = int(c["expand"]) * hidden, int(c["num_heads"])
+    state, groups, kernel = int(c["state_size"]), int(c["n_groups"]), int(c["conv_kernel"])
+    w = seeded()
+    tensors = backbone(w, hidden)
+    for i in range(layers):
+        tensors[f"backbone.layers.{i}.norm.weight"] = torch.ones(hidden)
+        tensors |= mamba_mixer(
+            w, f"backbone.layers.{i}.mixer.", hidden, inner, heads, state, groups, kernel
+        )
+    save_backbone_model(out, c, tensors)
+
+
 def nemotron_h(out: Path, c: dict[str, Any]) -> None:
     """A Nemotron-H (HF's `NemotronHForCausalLM` names): Mamba2 mixers (`M`) and attention
-    mixers (`*`) as `hybrid_override_pattern` orders them, seeded weights as `mamba2`'s."""
+    mixers (`*`) as `hybrid_override_pattern` orders them, seeded weights."""
     hidden, heads, kv_heads = (
         int(c["hidden_size"]),
         int(c["num_attention_heads"]),
@@ -189,31 +217,13 @@ def nemotron_h(out: Path, c: dict[str, Any]) -> None:
     head_dim, m_heads = int(c["head_dim"]), int(c["mamba_num_heads"])
     inner = m_heads * int(c["mamba_head_dim"])
     state, groups, kernel = int(c["ssm_state_size"]), int(c["n_groups"]), int(c["conv_kernel"])
-    conv = inner + 2 * groups * state
-    g = torch.Generator().manual_seed(1234)
-
-    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    tensors = {
-        "backbone.embeddings.weight": w(VOCAB, hidden, scale=1.0),
-        "backbone.norm_f.weight": torch.ones(hidden),
-        "lm_head.weight": w(VOCAB, hidden),
-    }
+    w = seeded()
+    tensors = backbone(w, hidden)
     for i, kind in enumerate(str(c["hybrid_override_pattern"])):
         m = f"backbone.layers.{i}.mixer."
         tensors[f"backbone.layers.{i}.norm.weight"] = torch.ones(hidden)
         if kind == "M":
-            tensors |= {
-                m + "in_proj.weight": w(2 * inner + 2 * groups * state + m_heads, hidden),
-                m + "conv1d.weight": w(conv, 1, kernel, scale=0.3),
-                m + "conv1d.bias": w(conv),
-                m + "dt_bias": w(m_heads),
-                m + "A_log": torch.log(torch.linspace(1.0, 16.0, m_heads)),
-                m + "D": torch.ones(m_heads),
-                m + "norm.weight": torch.ones(inner),
-                m + "out_proj.weight": w(hidden, inner),
-            }
+            tensors |= mamba_mixer(w, m, hidden, inner, m_heads, state, groups, kernel)
         else:
             tensors |= {
                 m + "q_proj.weight": w(heads * head_dim, hidden),
@@ -221,18 +231,7 @@ def nemotron_h(out: Path, c: dict[str, Any]) -> None:
                 m + "v_proj.weight": w(kv_heads * head_dim, hidden),
                 m + "o_proj.weight": w(hidden, heads * head_dim),
             }
-    config = {
-        **c,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_backbone_model(out, c, tensors)
 
 
 def main(out: Path, preset: str) -> None:

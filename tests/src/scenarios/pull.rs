@@ -703,38 +703,14 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     };
     let mut pre = crate::pull_env::engine_with("hyb-P", &model, true, &mk(f), &grouped);
     let mut dec = crate::pull_env::engine_with("hyb-D", &model, false, &mk(f), &overlaid);
-    let asks = kvxfer_core::wire::params::KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
     // Group 1 (the window) holds fewer blocks than group 0; its local blocks take the tail.
-    let decision =
-        pre.scheduler
-            .request_finished("r", Some(&asks), true, &[vec![1, 2, 3], vec![5, 6]], None);
-    let mut params = decision.params.expect("params");
-    let meta = pre.scheduler.build_step_meta();
-    pre.workers[0].start_load_kv(&meta);
-    dec.scheduler
-        .after_alloc(
-            "r",
-            &mut params,
-            &[vec![8, 9, 10], vec![12]],
-            12,
-            None,
-            None,
-        )
-        .expect("after alloc");
-    let meta = dec.scheduler.build_step_meta();
-    dec.workers[0].start_load_kv(&meta);
-    let mut failures = Vec::new();
-    poll_until_pair(
-        &mut dec,
+    loaded_handoff(
         &mut pre,
-        &mut [false],
-        &mut [false],
-        &mut failures,
+        &mut dec,
+        &[vec![1, 2, 3], vec![5, 6]],
+        &[vec![8, 9, 10], vec![12]],
+        12,
     );
-    assert!(failures.is_empty(), "{failures:?}");
     let m = dec.workers[0].take_metrics();
     let block = model.spec(4).block_len();
     assert_eq!(
@@ -818,30 +794,13 @@ pub fn state_beside_attention_moves_whole_pages<F: TransportFactory>(f: &F) {
     };
     let mut pre = engine_with("mix-P", &model, true, &mk(f), &marked(&[0]));
     let mut dec = engine_with("mix-D", &model, false, &mk(f), &overlaid(&[0]));
-    let asks = kvxfer_core::wire::params::KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let decision =
-        pre.scheduler
-            .request_finished("r", Some(&asks), true, &[vec![3], vec![5, 6]], None);
-    let mut params = decision.params.expect("params");
-    let meta = pre.scheduler.build_step_meta();
-    pre.workers[0].start_load_kv(&meta);
-    dec.scheduler
-        .after_alloc("r", &mut params, &[vec![9], vec![12, 13]], 8, None, None)
-        .expect("after alloc");
-    let meta = dec.scheduler.build_step_meta();
-    dec.workers[0].start_load_kv(&meta);
-    let mut failures = Vec::new();
-    poll_until_pair(
-        &mut dec,
+    loaded_handoff(
         &mut pre,
-        &mut [false],
-        &mut [false],
-        &mut failures,
+        &mut dec,
+        &[vec![3], vec![5, 6]],
+        &[vec![9], vec![12, 13]],
+        8,
     );
-    assert!(failures.is_empty(), "{failures:?}");
     let m = dec.workers[0].take_metrics();
     let block = model.spec(2).block_len();
     assert_eq!(
@@ -1033,6 +992,35 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
 
 /// Hands request `req` off from `pre` with `handed` blocks per group, starts its load into
 /// `dec`'s `local` blocks (`external` tokens, ending at `load_end`) and returns its failure.
+/// Hands request `r` off from `pre` (its blocks per group, `handed`) to `dec` (`local`,
+/// `external` tokens) and polls both until the load ended, failing the scenario if it failed.
+fn loaded_handoff<T: Transport>(
+    pre: &mut Engine<T>,
+    dec: &mut Engine<T>,
+    handed: &[Vec<u32>],
+    local: &[Vec<u32>],
+    external: usize,
+) {
+    let asks = kvxfer_core::wire::params::KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let decision = pre
+        .scheduler
+        .request_finished("r", Some(&asks), true, handed, None);
+    let mut params = decision.params.expect("params");
+    let meta = pre.scheduler.build_step_meta();
+    pre.workers[0].start_load_kv(&meta);
+    dec.scheduler
+        .after_alloc("r", &mut params, local, external, None, None)
+        .expect("after alloc");
+    let meta = dec.scheduler.build_step_meta();
+    dec.workers[0].start_load_kv(&meta);
+    let mut failures = Vec::new();
+    poll_until_pair(dec, pre, &mut [false], &mut [false], &mut failures);
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
 fn failed_handoff<T: Transport>(
     pre: &mut Engine<T>,
     dec: &mut Engine<T>,

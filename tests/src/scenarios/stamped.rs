@@ -33,6 +33,16 @@ fn loaded_and_freed<T: Transport>(dec: &mut Engine<T>, pre: &mut Engine<T>, req:
     assert_eq!(pre.workers[0].take_metrics().expired_leases, 0);
 }
 
+/// Polls decode rank 0 until its transport holds a posted READ.
+fn until_read_posted<T: Transport>(dec: &mut Engine<crate::faulty::Faulty<T>>) {
+    let start = Instant::now();
+    while dec.workers[0].transport().in_flight() == 0 {
+        dec.poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "no READ posted");
+        std::thread::yield_now();
+    }
+}
+
 /// Polls until decode rank 0's one load read its stamp and found the hold not started,
 /// failing the scenario if a load ended.
 fn awaiting_hold<T: Transport>(dec: &mut Engine<T>) {
@@ -147,12 +157,7 @@ pub fn the_prefill_holds_the_blocks_until_their_stamp_was_read<F: TransportFacto
     faults.hold_completions(true);
     let a = pre.finish_prefill("a", &[1, 2]);
     dec.start_load("a", &a, &[5, 6], 8);
-    let start = Instant::now();
-    while dec.workers[0].transport().in_flight() == 0 {
-        dec.poll();
-        assert!(start.elapsed() < Duration::from_secs(60), "no READ posted");
-        std::thread::yield_now();
-    }
+    until_read_posted(&mut dec);
     for _ in 0..50 {
         assert!(
             dec.poll()[0].recving.is_empty(),
@@ -179,12 +184,7 @@ pub fn an_unsent_read_done_note_is_counted_and_the_blocks_stay_held<F: Transport
     faults.hold_completions(true);
     let a = pre.finish_prefill("a", &[1, 2]);
     dec.start_load("a", &a, &[5, 6], 8);
-    let start = Instant::now();
-    while dec.workers[0].transport().in_flight() == 0 {
-        dec.poll();
-        assert!(start.elapsed() < Duration::from_secs(60), "no READ posted");
-        std::thread::yield_now();
-    }
+    until_read_posted(&mut dec);
     // Heartbeats went out with the load's start; the next notification is the note.
     faults.fail_next_notifications(1);
     faults.hold_completions(false);
