@@ -315,3 +315,66 @@ fn bad_vllm_replies_are_typed_errors() {
     assert!(matches!(got, Err(FetchError::Timeout { .. })), "{got:?}");
     assert!(start.elapsed() < Duration::from_secs(3));
 }
+
+/// A ROUTER that leaves the first `ignored` requests unanswered and answers the next with
+/// `reply` (frames after the identity and delimiter); returns how many requests it read.
+fn answers_late(ignored: usize, reply: Vec<Vec<u8>>) -> (u16, std::thread::JoinHandle<usize>) {
+    let (router, port) = bound_router();
+    let t = std::thread::spawn(move || {
+        for _ in 0..ignored {
+            router.recv_multipart(0).unwrap();
+        }
+        let req = router.recv_multipart(0).unwrap();
+        let mut out = vec![req[0].clone(), Vec::new()];
+        out.extend(reply);
+        router.send_multipart(out, 0).unwrap();
+        ignored + 1
+    });
+    (port, t)
+}
+
+/// A request whose reply never comes (lost with a connection, or a listener that restarted
+/// in between) is asked again on a fresh socket within the timeout, for kvxfer and vLLM
+/// listeners alike; a listener that never answers still fails at the timeout, named whole.
+#[test]
+fn an_unanswered_metadata_request_is_asked_again_within_the_timeout() {
+    use kvxfer_core::wire::vllm::{HandshakePayload, encode_clock};
+
+    let m = meta("p", 0);
+    let (port, router) = answers_late(2, vec![m.encode()]);
+    let got = fetch_metadata(
+        "127.0.0.1",
+        port,
+        None,
+        Duration::from_secs(20),
+        MAX_HANDSHAKE_BYTES,
+    );
+    assert_eq!(got.expect("answered on the third attempt"), m);
+    assert_eq!(router.join().unwrap(), 3);
+
+    let payload = HandshakePayload {
+        compatibility_hash: "0".repeat(64),
+        agent_metadata_bytes: vec![7],
+    };
+    let (port, router) = answers_late(1, vec![payload.encode(), encode_clock(1.0)]);
+    let got = ask_rank_0(port, Duration::from_secs(20)).expect("answered on the second attempt");
+    assert_eq!(got.payload, payload);
+    assert_eq!(router.join().unwrap(), 2);
+
+    let (_silent, port) = bound_router();
+    let timeout = Duration::from_millis(2500);
+    let start = Instant::now();
+    let got = fetch_metadata("127.0.0.1", port, None, timeout, MAX_HANDSHAKE_BYTES);
+    let elapsed = start.elapsed();
+    assert_eq!(
+        got,
+        Err(FetchError::Timeout {
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            timeout
+        })
+    );
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed:?}, before the timeout"
+    );
+}

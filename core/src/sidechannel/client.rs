@@ -2,7 +2,7 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
@@ -48,8 +48,16 @@ pub enum FetchError {
     },
 }
 
+/// How long a metadata request first waits for its reply before it is asked again on a
+/// fresh socket; each later wait doubles, up to [`MAX_ATTEMPT_WAIT`], all within the
+/// caller's timeout.
+pub const FIRST_ATTEMPT_WAIT: Duration = Duration::from_secs(1);
+/// The longest single wait of a metadata request.
+pub const MAX_ATTEMPT_WAIT: Duration = Duration::from_secs(8);
+
 /// Asks `host:port` for its metadata (`rank: None` sends exactly `get_meta_msg`, as the
-/// reference does; `Some(r)` names a TP rank). Every wait is bounded by `timeout`.
+/// reference does; `Some(r)` names a TP rank). Every wait is bounded by `timeout`; a
+/// request unanswered is asked again ([`FIRST_ATTEMPT_WAIT`]).
 pub fn fetch_metadata(
     host: &str,
     port: u16,
@@ -68,7 +76,8 @@ pub fn fetch_metadata(
 
 /// Asks `host:port` for TP rank `rank`'s metadata on behalf of agent `reader`, which the
 /// listener then counts among the peers whose read notifications it accepts (kvxfer
-/// listeners only). Every wait is bounded by `timeout`.
+/// listeners only). Every wait is bounded by `timeout`; a request unanswered is asked
+/// again ([`FIRST_ATTEMPT_WAIT`]).
 pub fn fetch_metadata_for(
     host: &str,
     port: u16,
@@ -96,8 +105,9 @@ pub struct VllmReply {
 }
 
 /// Asks a stock vLLM 0.32 listener at `host:port` for (`pp_rank`, `tp_rank`)'s payload
-/// (two reply frames). Every wait is bounded by `timeout`; vLLM's protocol has no
-/// authentication, so with a side-channel key set this refuses to ask.
+/// (two reply frames). Every wait is bounded by `timeout`, and a request unanswered is asked
+/// again ([`FIRST_ATTEMPT_WAIT`]); vLLM's protocol has no authentication, so with a
+/// side-channel key set this refuses to ask.
 pub fn fetch_vllm(
     host: &str,
     port: u16,
@@ -118,15 +128,19 @@ pub fn fetch_vllm(
             reason: "a side-channel key is set, and stock vLLM peers cannot authenticate".into(),
         });
     }
-    let socket = req_socket(&ep, timeout, max_reply)?;
-    let started = super::listener::monotonic_seconds();
-    // Frame by frame, at most three kept: a reply of many frames is refused, not collected.
-    let frames = exchange(&socket, &ep, &request.encode(), timeout, |s| {
-        let mut frames = vec![s.recv_bytes(0)?];
-        while frames.len() < 3 && s.get_rcvmore()? {
-            frames.push(s.recv_bytes(0)?);
-        }
-        Ok(frames)
+    let (frames, started) = with_retries(&ep, timeout, |wait| {
+        let socket = req_socket(&ep, wait, max_reply)?;
+        let started = super::listener::monotonic_seconds();
+        // Frame by frame, at most three kept: a reply of many frames is refused, not
+        // collected.
+        let frames = exchange(&socket, &ep, &request.encode(), wait, |s| {
+            let mut frames = vec![s.recv_bytes(0)?];
+            while frames.len() < 3 && s.get_rcvmore()? {
+                frames.push(s.recv_bytes(0)?);
+            }
+            Ok(frames)
+        })?;
+        Ok((frames, started))
     })?;
     let ended = super::listener::monotonic_seconds();
     let bad = |error: WireError| FetchError::BadReply {
@@ -197,6 +211,39 @@ fn exchange<R>(
     }
 }
 
+/// Runs `attempt` (one request on a fresh socket, waiting at most the time it is given)
+/// until it is answered or `timeout` has passed. A REQ socket never sends twice, so a
+/// request or reply lost with its connection (a listener that restarted between the
+/// connect and its reply, or that ZMQ's buffers dropped) would otherwise be waited for to
+/// the end. Only for idempotent requests: the listener may serve several attempts.
+fn with_retries<R>(
+    ep: &str,
+    timeout: Duration,
+    mut attempt: impl FnMut(Duration) -> Result<R, FetchError>,
+) -> Result<R, FetchError> {
+    let Some(deadline) = Instant::now().checked_add(timeout) else {
+        return attempt(timeout);
+    };
+    let mut wait = FIRST_ATTEMPT_WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match attempt(wait.min(left)) {
+            Err(FetchError::Timeout { .. }) if Instant::now() < deadline => {
+                // Unusual (a reply takes milliseconds): worth a line when diagnosing a peer.
+                tracing::warn!(endpoint = ep, ?wait, "no handshake reply yet: asking again");
+                wait = wait.saturating_mul(2).min(MAX_ATTEMPT_WAIT);
+            }
+            Err(FetchError::Timeout { .. }) => {
+                return Err(FetchError::Timeout {
+                    endpoint: ep.to_string(),
+                    timeout,
+                });
+            }
+            other => return other,
+        }
+    }
+}
+
 fn fetch(
     host: &str,
     port: u16,
@@ -204,7 +251,10 @@ fn fetch(
     timeout: Duration,
     max_reply: usize,
 ) -> Result<HandshakeMeta, FetchError> {
-    let reply = request_bytes(host, port, request, timeout, max_reply)?;
+    let ep = endpoint(host, port);
+    let reply = with_retries(&ep, timeout, |wait| {
+        request_bytes(host, port, request, wait, max_reply)
+    })?;
     HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
         endpoint: endpoint(host, port),
         error,

@@ -14,7 +14,8 @@ mod readers;
 mod server;
 
 pub use client::{
-    FetchError, VllmReply, fetch_metadata, fetch_metadata_for, fetch_vllm, request_bytes,
+    FIRST_ATTEMPT_WAIT, FetchError, MAX_ATTEMPT_WAIT, VllmReply, fetch_metadata,
+    fetch_metadata_for, fetch_vllm, request_bytes,
 };
 pub use listener::{
     Listener, ListenerStats, MAX_REQUEST_BYTES, MetaRequest, monotonic_seconds, parse_request,
