@@ -439,16 +439,18 @@ impl<T: Transport> PullWorker<T> {
     /// Progresses everything and reports what finished since the last call.
     pub fn get_finished(&mut self) -> Finished {
         if !self.shut_down {
-            while let Ok(outcome) = self.outcomes.1.try_recv() {
-                self.on_handshake(outcome);
-            }
-            self.poll_loads();
-            self.check_loading_peers();
-            self.poll_notifications();
-            self.expire_leases();
-            self.send_heartbeats();
+            timed("handshake outcomes", || {
+                while let Ok(outcome) = self.outcomes.1.try_recv() {
+                    self.on_handshake(outcome);
+                }
+            });
+            timed("loads", || self.poll_loads());
+            timed("loading peers", || self.check_loading_peers());
+            timed("notifications", || self.poll_notifications());
+            timed("leases", || self.expire_leases());
+            timed("heartbeats", || self.send_heartbeats());
         }
-        self.unstamp_freed();
+        timed("stamps", || self.unstamp_freed());
         std::mem::take(&mut self.finished)
     }
     /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
@@ -551,4 +553,23 @@ fn digest(meta: &HandshakeMeta) -> String {
     let hash = Sha256::digest(&bytes);
     let hex: String = hash.iter().take(8).map(|b| format!("{b:02x}")).collect();
     format!("sha256:{hex}")
+}
+
+/// A poll phase slower than this is logged by name: a poll takes microseconds and the
+/// engine's step waits for it, so a slow one points at what held the engine up.
+const SLOW_PHASE: Duration = Duration::from_secs(1);
+
+/// Runs one phase of [`PullWorker::get_finished`], warning when it took over [`SLOW_PHASE`]
+/// (wall time: a diagnostic, it changes nothing the worker does).
+fn timed(phase: &'static str, f: impl FnOnce()) {
+    let started = std::time::Instant::now();
+    f();
+    let took = started.elapsed();
+    if took > SLOW_PHASE {
+        tracing::warn!(
+            phase,
+            ?took,
+            "a worker poll phase was slow: the engine step waited for it"
+        );
+    }
 }
