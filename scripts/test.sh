@@ -145,11 +145,13 @@ stage "ruff format" "$root/.venv-py/bin/ruff" format --check python examples
 # From the root, so the installed package is imported, not python/kvxfer's sources.
 stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/tests
 
+# --durations: the slowest tests, and the engine start-ups their fixtures hold (the first test
+# of a module "setup"), listed for the CI budget.
 stage "real vLLM: prefill and decode with KvxferConnector" \
-    "$vpy" -m pytest -q -p no:cacheprovider -rs python/tests_vllm
+    "$vpy" -m pytest -q -p no:cacheprovider -rs --durations=20 python/tests_vllm
 
 stage "real SGLang: prefill, decode, router (kvxfer backend)" \
-    "$spy" -m pytest -q -p no:cacheprovider -rs python/tests_sglang
+    "$spy" -m pytest -q -p no:cacheprovider -rs --durations=10 python/tests_sglang
 
 stage "fuzzing: 5 s per target" scripts/fuzz.sh 5
 prune "$root/fuzz/target"
