@@ -15,6 +15,7 @@ from harness import (
     NEMOTRON_MODEL,
     STOCK,
     Engine,
+    close_all,
     free_port,
     start,
 )
@@ -44,8 +45,7 @@ def running(engines: list[Engine], logdir: Path) -> Iterator[list[Engine]]:
     try:
         yield engines
     finally:
-        for e in engines:
-            e.close()
+        close_all(engines)
         print(f"engine logs: {logdir}")
 
 

@@ -23,7 +23,7 @@ from flows import (
     prefill,
     prompt,
 )
-from harness import MODEL, STOCK, Engine, free_port, start
+from harness import MODEL, STOCK, Engine, close_all, free_port, start
 
 import kvxfer
 
@@ -89,8 +89,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, En
             _step(e)
         yield engines[0], engines[1]
     finally:
-        for e in engines:
-            e.close()
+        close_all(engines)
         print(f"engine logs: {logdir}")
 
 
