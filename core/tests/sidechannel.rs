@@ -296,14 +296,7 @@ fn bad_vllm_replies_are_typed_errors() {
         vec![payload, encode_clock(1.0), encode_clock(2.0)],
     ];
     for frames in replies {
-        let (router, port) = bound_router();
-        let answer = std::thread::spawn(move || {
-            let req = router.recv_multipart(0).unwrap();
-            let mut out = vec![req[0].clone(), Vec::new()];
-            out.extend(frames);
-            router.send_multipart(out, 0).unwrap();
-            router
-        });
+        let (port, answer) = answers_late(0, frames);
         let got = ask_rank_0(port, T);
         assert!(matches!(got, Err(FetchError::BadReply { .. })), "{got:?}");
         drop(answer.join());

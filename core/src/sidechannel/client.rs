@@ -128,12 +128,13 @@ pub fn fetch_vllm(
             reason: "a side-channel key is set, and stock vLLM peers cannot authenticate".into(),
         });
     }
+    let encoded = request.encode();
     let (frames, started) = with_retries(&ep, timeout, |wait| {
         let socket = req_socket(&ep, wait, max_reply)?;
         let started = super::listener::monotonic_seconds();
         // Frame by frame, at most three kept: a reply of many frames is refused, not
         // collected.
-        let frames = exchange(&socket, &ep, &request.encode(), wait, |s| {
+        let frames = exchange(&socket, &ep, &encoded, wait, |s| {
             let mut frames = vec![s.recv_bytes(0)?];
             while frames.len() < 3 && s.get_rcvmore()? {
                 frames.push(s.recv_bytes(0)?);
@@ -256,7 +257,7 @@ fn fetch(
         request_bytes(host, port, request, wait, max_reply)
     })?;
     HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
-        endpoint: endpoint(host, port),
+        endpoint: ep,
         error,
     })
 }

@@ -438,19 +438,26 @@ impl<T: Transport> PullWorker<T> {
     }
     /// Progresses everything and reports what finished since the last call.
     pub fn get_finished(&mut self) -> Finished {
+        // One clock read per phase boundary: this runs every engine step.
+        let mut t = std::time::Instant::now();
         if !self.shut_down {
-            timed("handshake outcomes", || {
-                while let Ok(outcome) = self.outcomes.1.try_recv() {
-                    self.on_handshake(outcome);
-                }
-            });
-            timed("loads", || self.poll_loads());
-            timed("loading peers", || self.check_loading_peers());
-            timed("notifications", || self.poll_notifications());
-            timed("leases", || self.expire_leases());
-            timed("heartbeats", || self.send_heartbeats());
+            while let Ok(outcome) = self.outcomes.1.try_recv() {
+                self.on_handshake(outcome);
+            }
+            t = lap(t, "handshake outcomes");
+            self.poll_loads();
+            t = lap(t, "loads");
+            self.check_loading_peers();
+            t = lap(t, "loading peers");
+            self.poll_notifications();
+            t = lap(t, "notifications");
+            self.expire_leases();
+            t = lap(t, "leases");
+            self.send_heartbeats();
+            t = lap(t, "heartbeats");
         }
-        timed("stamps", || self.unstamp_freed());
+        self.unstamp_freed();
+        lap(t, "stamps");
         std::mem::take(&mut self.finished)
     }
     /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
@@ -559,12 +566,12 @@ fn digest(meta: &HandshakeMeta) -> String {
 /// engine's step waits for it, so a slow one points at what held the engine up.
 const SLOW_PHASE: Duration = Duration::from_secs(1);
 
-/// Runs one phase of [`PullWorker::get_finished`], warning when it took over [`SLOW_PHASE`]
-/// (wall time: a diagnostic, it changes nothing the worker does).
-fn timed(phase: &'static str, f: impl FnOnce()) {
-    let started = std::time::Instant::now();
-    f();
-    let took = started.elapsed();
+/// Ends one phase of [`PullWorker::get_finished`] begun at `since`, warning when it took
+/// over [`SLOW_PHASE`] (wall time: a diagnostic, it changes nothing the worker does); returns
+/// when the next phase begins.
+fn lap(since: std::time::Instant, phase: &'static str) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    let took = now.saturating_duration_since(since);
     if took > SLOW_PHASE {
         tracing::warn!(
             phase,
@@ -572,4 +579,5 @@ fn timed(phase: &'static str, f: impl FnOnce()) {
             "a worker poll phase was slow: the engine step waited for it"
         );
     }
+    now
 }
