@@ -4,7 +4,9 @@
 //! clock steps. Checked: no panic; a final status never changes; after the bootstrap a
 //! stranger's note is refused; and, where every prefill rank writes into the one decode rank,
 //! success exactly when a model of "every chunk 0..=last of every writer, the aux note of the
-//! lead writer of the last stage, the state of every stage" says so.
+//! lead writer of the last stage, the state of every stage" says so. Drained (the pages may
+//! be handed out) exactly when the room succeeded, its prefill was declared dead, or the
+//! bootstrap ended and every rank it reached acknowledged with an abort note.
 #![no_main]
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -143,7 +145,18 @@ fuzz_target!(|data: &[u8]| {
     let mut now = Duration::ZERO;
     let mut last_final: Option<RoomStatus> = None;
     let mut ops = 0u32;
+    // The drain model: ranks the bootstrap reached (once it ended), accepted abort notes,
+    // and whether the prefill was declared dead.
+    let mut reached: Option<Vec<String>> = None;
+    let mut acked: HashSet<String> = HashSet::new();
+    let mut gone = false;
     loop {
+        let drained = room.status() == RoomStatus::Success
+            || gone
+            || reached
+                .as_ref()
+                .is_some_and(|r| r.iter().all(|a| acked.contains(a)));
+        assert_eq!(room.drained(), drained, "drained disagrees with the model");
         let op = inp.byte();
         if op.is_none() || op.is_some_and(|op| op & 7 == 6) {
             // A clock step (and the end of the input): the room moves on.
@@ -201,11 +214,30 @@ fuzz_target!(|data: &[u8]| {
             5 => {
                 if !bootstrapped {
                     bootstrapped = true;
+                    // The ranks sent pages: any of them, as the input says.
+                    let mask = inp.byte().unwrap_or(0xff);
+                    let sent: Vec<String> = ranks
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| mask & (1 << (i % 8)) != 0)
+                        .map(|(_, r)| r.agent.clone())
+                        .collect();
+                    room.set_reached(sent.clone());
+                    reached = Some(sent);
                     room.bootstrapped(ranks.clone(), (d_rank, d_tp), sharding);
                 }
                 continue;
             }
-            _ => continue,
+            _ => {
+                room.prefill_gone("declared dead".into());
+                gone = true;
+                if let Some(f) = last_final {
+                    assert_eq!(room.status(), f, "a final status changed");
+                }
+                assert!(room.status().is_final(), "a dead prefill's room lives on");
+                last_final = Some(room.status());
+                continue;
+            }
         };
         let known = ranks.iter().any(|r| r.agent == from);
         let accepted = room.note(&from, &note);
@@ -235,7 +267,9 @@ fuzz_target!(|data: &[u8]| {
                 PushNote::State { pp_rank, .. } => {
                     model.states.insert((from, pp_rank));
                 }
-                PushNote::Abort { .. } => {}
+                PushNote::Abort { .. } => {
+                    acked.insert(from);
+                }
             }
         }
         if let Some(f) = last_final {

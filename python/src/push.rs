@@ -129,8 +129,31 @@ impl PushRegistry {
 /// One prefill rank over a transport of its own.
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct PushPrefill {
-    inner: Slot<push::PushPrefill<AnyTransport>>,
+    inner: Arc<Slot<push::PushPrefill<AnyTransport>>>,
     port: u16,
+}
+
+/// How often a prefill rank is polled while its engine does not poll it.
+const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Polls `slot` every [`IDLE_POLL`] (skipping turns the engine holds it) until it is shut
+/// down or dropped: a decode's abort is processed, its WRITEs released and acknowledged, even
+/// when the prefill engine has no request left to poll for (the decode holds the room's pages
+/// until then).
+fn poll_while_idle(slot: &Arc<Slot<push::PushPrefill<AnyTransport>>>) -> std::io::Result<()> {
+    let weak = Arc::downgrade(slot);
+    std::thread::Builder::new()
+        .name("kvx-push-idle".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(IDLE_POLL);
+                let Some(slot) = weak.upgrade() else { return };
+                if !slot.try_with(|p| p.poll()) {
+                    return;
+                }
+            }
+        })
+        .map(drop)
 }
 
 #[pymethods]
@@ -184,10 +207,10 @@ impl PushPrefill {
             push::PushPrefill::new(t, config, bufs, Arc::new(SystemClock::default()))
                 .map_err(|e| SideChannelError::new_err(e.to_string()))
         })?;
-        Ok(PushPrefill {
-            port: p.port(),
-            inner: Slot::new(p),
-        })
+        let port = p.port();
+        let inner = Arc::new(Slot::new(p));
+        poll_while_idle(&inner).map_err(|e| errors::KvxferError::new_err(e.to_string()))?;
+        Ok(PushPrefill { port, inner })
     }
 
     /// The mailbox port.
@@ -449,7 +472,8 @@ impl PushDecode {
         self.inner.with(py, "decode", |d| Ok(d.error(room)))
     }
 
-    /// Gives up on the room and tells its prefill ranks.
+    /// Gives up on the room and tells its prefill ranks, which acknowledge once they
+    /// stopped writing into it (see `drained`).
     fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
         self.inner.with(py, "decode", |d| {
             d.abort(room);
@@ -457,12 +481,33 @@ impl PushDecode {
         })
     }
 
-    /// Forgets a room.
+    /// Forgets a room (a live one is aborted first); one a prefill rank may still write into
+    /// is kept aside until it drains, or for the waiting timeout at most.
     fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
         self.inner.with(py, "decode", |d| {
             d.remove_room(room);
             Ok(())
         })
+    }
+
+    /// Whether no prefill rank can still write into the room's pages, so that they may be
+    /// handed to another request: it succeeded, every rank sent its pages acknowledged an
+    /// abort, or the prefill was declared dead. True for a room this rank does not know.
+    fn drained(&self, py: Python<'_>, room: u64) -> PyResult<bool> {
+        self.inner.with(py, "decode", |d| Ok(d.drained(room)))
+    }
+
+    /// Stops waiting for the room to drain (its pages were released anyway).
+    fn forget(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.inner.with(py, "decode", |d| {
+            d.forget(room);
+            Ok(())
+        })
+    }
+
+    /// Rooms removed before they drained and given up on after the waiting timeout.
+    fn undrained(&self, py: Python<'_>) -> PyResult<u64> {
+        self.inner.with(py, "decode", |d| Ok(d.undrained()))
     }
 
     /// Processes control results, notifications, timeouts and heartbeats. Never blocks.

@@ -32,6 +32,16 @@ impl<T: Send> Slot<T> {
         })
     }
 
+    /// Runs `f` on the inner value if nobody holds it now (from a thread of our own, without
+    /// Python); false once shut down.
+    pub(crate) fn try_with(&self, f: impl FnOnce(&mut T)) -> bool {
+        match self.0.try_lock() {
+            Ok(mut guard) => guard.as_mut().map(f).is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+            Err(std::sync::TryLockError::Poisoned(_)) => false,
+        }
+    }
+
     /// Drops the inner value (its threads stop, its memory is deregistered) outside the GIL.
     pub(crate) fn shutdown(&self, py: Python<'_>) {
         py.detach(|| {

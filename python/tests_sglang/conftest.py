@@ -114,7 +114,13 @@ def pair(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Itera
         }
     prefill = Server("prefill", "0", logdir, transport=transport, bootstrap_port=boot, env=env)
     decode = Server(
-        "decode", "1", logdir, transport=transport, bootstrap_port=boot, env={**HEARTBEAT, **env}
+        "decode",
+        "1",
+        logdir,
+        transport=transport,
+        bootstrap_port=boot,
+        env={**HEARTBEAT, **env},
+        args=("--enable-metrics",),  # its deferred page releases, counted by outcome
     )
     servers = [prefill, decode]
     try:

@@ -139,6 +139,61 @@ def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written
     assert_matches(d.json(), reference[tuple(PROMPT_B)])
 
 
+def _deferred_releases(decode_url: str) -> dict[str, float]:
+    """SGLang's count of the decode's deferred page releases, by outcome (``drained``: every
+    writer acknowledged; ``timeout``: released without)."""
+    text = requests.get(f"{decode_url}/metrics", timeout=5).text
+    found: dict[str, float] = {}
+    for m in re.finditer(
+        r'^sglang:decode_deferred_kv_release_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
+        text,
+        re.M,
+    ):
+        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+    return found
+
+
+def test_an_aborted_decode_request_holds_its_pages_until_the_prefill_acknowledged(
+    pair: Pair, reference: dict
+) -> None:
+    """A decode request aborted while its destination sits at the prefill (which has not
+    received its request and is idle): SGLang's decode holds the pages (its deferred
+    release) until kvxfer says no prefill rank can still write into them; the prefill rank
+    releases its WRITEs and acknowledges without its engine polling it, so the pages come
+    back drained within seconds, not at SGLang's 30 s timeout. A prefill request for that
+    room afterwards writes nothing and fails; the decode keeps serving."""
+    before = _deferred_releases(pair.decode.url)
+    r, rid = room(), f"abort-{room()}"
+    boot = pair.prefill.bootstrap_port
+    reply: dict[str, requests.Response] = {}
+    t = threading.Thread(
+        target=lambda: reply.setdefault(
+            "d", post(pair.decode.url, body(PROMPT_A, r, boot, rid=rid))
+        )
+    )
+    t.start()
+    time.sleep(3)  # the decode has bootstrapped and sent its destination; no data comes
+    assert t.is_alive(), "the request did not wait"
+    aborted = time.monotonic()
+    requests.post(f"{pair.decode.url}/abort_request", json={"rid": rid}, timeout=10)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the aborted request never ended"
+    assert _ended_in_error(reply["d"]), reply["d"].text
+    while _deferred_releases(pair.decode.url).get("drained", 0) <= before.get("drained", 0):
+        assert time.monotonic() - aborted < 20, (
+            f"the pages were not released drained: {_deferred_releases(pair.decode.url)}"
+        )
+        time.sleep(0.2)
+    took = time.monotonic() - aborted
+    assert _deferred_releases(pair.decode.url).get("timeout", 0) == before.get("timeout", 0)
+    print(f"{pair.transport}: the aborted room's pages came back drained {took:.1f} s later")
+    late = post(pair.prefill.url, body(PROMPT_A, r, boot))
+    assert _ended_in_error(late), late.text
+    p, d = direct(pair.prefill, pair.decode, PROMPT_B, PROMPT_B, room())
+    assert d.status_code == 200, d.text
+    assert_matches(d.json(), reference[tuple(PROMPT_B)])
+
+
 def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving(
     pair: Pair, reference: dict
 ) -> None:

@@ -30,6 +30,22 @@ pub trait TransportFactory {
     }
 }
 
+impl<F: TransportFactory + ?Sized> TransportFactory for &F {
+    type T = F::T;
+
+    fn label(&self) -> String {
+        (**self).label()
+    }
+
+    fn create(&self, name: &str) -> Self::T {
+        (**self).create(name)
+    }
+
+    fn inject_failures(&self, t: &Self::T, n: usize) -> bool {
+        (**self).inject_failures(t, n)
+    }
+}
+
 /// Longest any suite wait may take: a safety bound against hangs, never a timing assertion.
 pub const WAIT_LIMIT: Duration = Duration::from_secs(60);
 

@@ -158,12 +158,17 @@ fn one_probe_per_interval_while_rooms_are_open_and_none_without() {
     assert_eq!(fake.probes(), 1, "a second probe within the interval");
     manual.advance(INTERVAL);
     poll(&mut dec, |_| fake.probes() == 2);
-    // Once the room ended, the prefill is not probed again.
+    // An aborted room whose prefill has not acknowledged is probed still (a dead prefill
+    // drains it); once the engine stops waiting for it, the prefill is not probed again.
     dec.ranks[0].abort(1);
+    idle(&mut dec, 100);
+    manual.advance(INTERVAL);
+    poll(&mut dec, |_| fake.probes() == 3);
+    dec.ranks[0].forget(1);
     idle(&mut dec, 100);
     manual.advance(INTERVAL * 3);
     idle(&mut dec, 200);
-    assert_eq!(fake.probes(), 2, "probed without an open room");
+    assert_eq!(fake.probes(), 3, "probed without an open room");
 }
 
 #[test]
@@ -187,6 +192,29 @@ fn rooms_fail_only_after_the_configured_missed_probes() {
     assert_eq!(fake.probes(), 2);
     let error = dec.ranks[0].error(1).unwrap_or_default();
     assert!(error.contains("missed 2 heartbeats"), "{error}");
+    assert!(dec.ranks[0].drained(1), "a dead prefill writes no more");
+}
+
+/// A room the engine removed waits for its prefill's acknowledgement (this fake never
+/// sends one) until the prefill is declared dead, then drains.
+#[test]
+fn a_removed_room_of_a_prefill_that_dies_drains_when_it_is_declared_dead() {
+    let fake = FakePrefill::start(Duration::ZERO);
+    let manual = ManualClock::default();
+    let mut dec = open_room("live7", &fake, &manual);
+    dec.ranks[0].remove_room(1);
+    poll(&mut dec, |_| fake.aborts() == 1);
+    fake.healthy.store(false, Ordering::SeqCst);
+    manual.advance(INTERVAL);
+    poll(&mut dec, |_| fake.probes() == 1);
+    idle(&mut dec, 100);
+    assert!(
+        !dec.ranks[0].drained(1),
+        "drained with the prefill alive, unacknowledged"
+    );
+    manual.advance(INTERVAL);
+    poll(&mut dec, |d| d.ranks[0].drained(1));
+    assert_eq!(dec.ranks[0].undrained(), 0, "drained, not given up on");
 }
 
 /// A probe answered in time resets the count: misses must be consecutive.
@@ -274,4 +302,25 @@ fn a_room_past_its_waiting_timeout_is_aborted_at_the_prefill() {
     poll(&mut dec, |_| fake.aborts() == 1);
     idle(&mut dec, 200);
     assert_eq!(fake.aborts(), 1, "told once");
+}
+
+/// A removed room whose live prefill never acknowledges is waited for no longer than the
+/// waiting timeout after its removal, then given up on and counted.
+#[test]
+fn a_removed_room_never_acknowledged_is_given_up_on_after_the_waiting_timeout() {
+    let fake = FakePrefill::start(Duration::ZERO);
+    let manual = ManualClock::default();
+    let mut dec = open_room("live8", &fake, &manual);
+    dec.ranks[0].remove_room(1);
+    poll(&mut dec, |_| fake.aborts() == 1);
+    manual.advance(Duration::from_secs(300));
+    idle(&mut dec, 100);
+    assert!(
+        !dec.ranks[0].drained(1),
+        "given up on before the waiting timeout"
+    );
+    assert_eq!(dec.ranks[0].undrained(), 0);
+    manual.advance(Duration::from_secs(1));
+    poll(&mut dec, |d| d.ranks[0].undrained() == 1);
+    assert!(dec.ranks[0].drained(1), "unknown once given up on");
 }

@@ -611,12 +611,12 @@ fn rooms_are_listed_counted_when_failed_and_forgotten_when_removed() {
 
 /// A room one of two writing prefill ranks fails (TP 2 → 1; here state between different TP
 /// sizes, which cannot be paired item for item): that rank releases every WRITE it posted
-/// but does not tell the decode, which could not know that the other rank stopped writing;
-/// the decode fails the room at its waiting timeout.
+/// and tells the decode, which fails the room at once and tells the other rank to stop; the
+/// room drains (its pages may be handed out) only once both acknowledged.
 #[test]
-fn a_room_failed_by_one_of_two_writers_fails_on_the_decode_at_its_timeout() {
+fn a_room_failed_by_one_of_two_writers_fails_at_once_and_drains_when_both_stopped() {
     let mut s = with_state(2, StateKind::Window);
-    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(2);
+    s.decode_config = |cfg| cfg.waiting_timeout = Duration::from_secs(3600);
     let c = clock();
     let mut pre = prefill(&s, "pn14", Arc::clone(&c), None, None);
     let mut dec = decode(&s, "pn14", c);
@@ -638,11 +638,90 @@ fn a_room_failed_by_one_of_two_writers_fails_on_the_decode_at_its_timeout() {
         .expect("a prefill rank failed");
     assert!(why.contains("equal TP"), "{why}");
     let decode = dec.ranks[0].error(1).unwrap_or_default();
-    assert!(decode.contains("waited longer"), "{decode}");
+    assert!(decode.contains("aborted by the prefill"), "{decode}");
+    dec.ranks[0].remove_room(1);
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(1));
     for p in &pre.ranks {
+        assert_eq!(p.status(1), Some(RoomStatus::Failed), "a writer kept going");
         assert_eq!(p.transport().open_transfers(), 0, "a WRITE left unreleased");
     }
     assert!(dec.mem[0].state.untouched(4), "no state written");
+}
+
+/// A room the decode aborts while the prefill's WRITEs are in flight is not drained (its
+/// pages may not be handed out) until the prefill processed the abort, released its WRITEs
+/// and acknowledged; nothing lands in its pages afterwards, and nothing waits on the engine
+/// polling the prefill for a removed room either.
+#[test]
+fn an_aborted_room_drains_only_once_its_writer_acknowledged() {
+    let (mut pre, mut dec) = waiting_room("pn18");
+    let faults = pre.ranks[0].transport().faults();
+    faults.hold_completions(true);
+    pre.ranks[0].send(1, &[3]).expect("send");
+    assert_eq!(
+        pre.ranks[0].transport().open_transfers(),
+        2,
+        "KV and aux in flight"
+    );
+    dec.ranks[0].abort(1);
+    dec.ranks[0].remove_room(1);
+    for _ in 0..50 {
+        dec.ranks[0].poll();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(
+        !dec.ranks[0].drained(1),
+        "drained while the prefill still writes"
+    );
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(1));
+    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::Failed));
+    assert_eq!(
+        pre.ranks[0].transport().open_transfers(),
+        0,
+        "acknowledged before release"
+    );
+    let snapshot = dec.mem[0].kv.mem.clone();
+    faults.release_held();
+    settle_all(&mut pre, &mut dec);
+    assert!(
+        dec.mem[0].kv.mem == snapshot,
+        "a byte landed after the room drained"
+    );
+    assert_eq!(dec.ranks[0].undrained(), 0);
+}
+
+/// A room aborted while its destinations are still on their way (the bootstrap has not come
+/// back) drains once the ranks they reached acknowledged, not before; one whose bootstrap
+/// never reached a rank drains as soon as that is known.
+#[test]
+fn a_room_aborted_during_its_bootstrap_drains_after_the_ranks_it_reached() {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let c = clock();
+    let mut pre = prefill(&s, "pn19", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn19", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], None, vec![]);
+    dec.ranks[0].abort(1);
+    dec.ranks[0].remove_room(1);
+    assert!(
+        !dec.ranks[0].drained(1),
+        "drained before the bootstrap came back"
+    );
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(1));
+    assert_eq!(
+        pre.ranks[0].status(1),
+        Some(RoomStatus::Failed),
+        "the prefill was told"
+    );
+    // A registry nobody answers: the bootstrap fails without reaching a rank.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let dead = silent.local_addr().expect("addr").port();
+    drop(silent);
+    dec.ranks[0].add_room(2, ("127.0.0.1", dead), vec![5], None, vec![]);
+    dec.ranks[0].abort(2);
+    dec.ranks[0].remove_room(2);
+    assert!(!dec.ranks[0].drained(2));
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(2));
 }
 
 /// A live room the prefill engine removes fails, and its one-writer decode is told.

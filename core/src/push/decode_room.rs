@@ -49,6 +49,11 @@ pub struct DecodeRoom {
     /// The prefill instance the bootstrap answered for.
     pub(super) instance: Option<u64>,
     error: Option<String>,
+    /// The prefill agents that were sent this room's pages, once the bootstrap ended: the
+    /// ones that may write into them. `None` while it runs (pages may be on their way).
+    reached: Option<HashSet<String>>,
+    /// The prefill was declared dead: none of its ranks writes any more.
+    prefill_gone: bool,
 }
 
 impl DecodeRoom {
@@ -77,6 +82,8 @@ impl DecodeRoom {
             ranks: Vec::new(),
             instance: None,
             error: None,
+            reached: None,
+            prefill_gone: false,
         }
     }
 
@@ -93,6 +100,49 @@ impl DecodeRoom {
     /// The prefill ranks named by the bootstrap (empty before it).
     pub fn ranks(&self) -> &[RankInfo] {
         &self.ranks
+    }
+
+    /// The bootstrap of a room that had already ended named the prefill's `ranks`: kept to
+    /// tell them and to count their acknowledgements.
+    pub fn learn_ranks(&mut self, ranks: Vec<RankInfo>) {
+        if self.ranks.is_empty() {
+            self.ranks = ranks;
+        }
+    }
+
+    /// The bootstrap ended, having sent the room's pages to the prefill `agents`.
+    pub fn set_reached(&mut self, agents: impl IntoIterator<Item = String>) {
+        self.reached = Some(agents.into_iter().collect());
+    }
+
+    /// The prefill was declared dead (missed heartbeats): fails the room, and no rank of it
+    /// is waited for any more.
+    pub fn prefill_gone(&mut self, reason: String) {
+        self.fail(reason);
+        self.prefill_gone = true;
+    }
+
+    /// Whether no prefill rank can still write into the room's pages, so that the engine
+    /// may hand them to another request: the room succeeded (every write landed), or the
+    /// bootstrap ended and every rank it sent the pages to acknowledged that it stopped (its
+    /// abort note, sent once its WRITEs of the room were released), or the prefill was
+    /// declared dead.
+    pub fn drained(&self) -> bool {
+        self.status == RoomStatus::Success
+            || self.prefill_gone
+            || self
+                .reached
+                .as_ref()
+                .is_some_and(|agents| agents.iter().all(|a| self.aborts.contains(a)))
+    }
+
+    /// The room's prefill ranks that have not acknowledged an abort: the ones to tell.
+    pub fn unacked_ranks(&self) -> Vec<RankInfo> {
+        self.ranks
+            .iter()
+            .filter(|r| !self.aborts.contains(&r.agent))
+            .cloned()
+            .collect()
     }
 
     /// Fails the room unless it is final already; the first reason is kept.

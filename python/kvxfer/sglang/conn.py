@@ -152,6 +152,12 @@ def _ask_registry(url: str, deadline: float) -> tuple[str, int]:
 class KvxferKVManager(CommonKVManager):
     """One rank's backend state: SGLang's common manager plus a push prefill or decode."""
 
+    supports_deferred_decode_kv_release = True
+    """SGLang's decode holds a failed or aborted room's pages until
+    :meth:`is_abort_release_safe`: kvxfer's prefill ranks acknowledge an abort once their
+    WRITEs of the room were released (or fail the room after releasing them), and a prefill
+    declared dead counts as stopped."""
+
     def __init__(
         self,
         args: KVArgs,
@@ -277,6 +283,31 @@ class KvxferKVManager(CommonKVManager):
         if now - self._last_poll >= POLL_INTERVAL:
             self._last_poll = now
             self.push.poll()
+
+    # Decode side: SGLang's deferred release of an aborted room's pages.
+
+    @property
+    def decode(self) -> kvxfer.PushDecode:
+        """This decode rank's connector."""
+        assert isinstance(self.push, kvxfer.PushDecode), "a prefill rank has no decode"
+        return self.push
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether no prefill rank can still write into the room's pages. kvxfer knows which
+        ranks were sent them and counts their acknowledgements itself (`required_acks`, the
+        count SGLang's own receivers keep, is not needed)."""
+        self.tick()
+        return self.decode.drained(int(bootstrap_room))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        decode = self.decode
+        if not decode.drained(int(bootstrap_room)):
+            log.warning(
+                "kvxfer: room %d released before every prefill rank acknowledged its abort "
+                "(SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed)",
+                bootstrap_room,
+            )
+        decode.forget(int(bootstrap_room))
 
     # Decode side: which push registry serves a prefill.
 
@@ -459,7 +490,10 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
         self.bootstrap_addr = bootstrap_addr
         self.registry: tuple[str, int] | None = None
         self.added = False
-        # What SGLang's decode reads off every receiver: no deferred abort, no staging.
+        # What SGLang's decode reads off every receiver. `abort_notified`: the prefill ranks
+        # were told to stop (SGLang then holds the pages until the manager says they are
+        # drained); no staging; `bootstrap_infos` is SGLang's count of acknowledgements,
+        # which kvxfer keeps itself.
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list[dict[str, Any]] = []
@@ -521,7 +555,7 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
             return self._fail("the room is gone")
         result = self._rise(status)
         if result == KVPoll.Failed:
-            self.kv_mgr.push.remove_room(self.bootstrap_room)
+            self._release()
             if any(w in (self.reason or "") for w in GONE):
                 self.kv_mgr.forget_prefill(self.bootstrap_addr)
         return result
@@ -529,9 +563,11 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
     def _release(self) -> None:
         if self.added:
             # Its prefill ranks are told to stop writing (the connector also tells them
-            # of a room it forgets before its bootstrap came back).
+            # of a room it forgets before its bootstrap came back) and acknowledge; the room
+            # is kept aside in the connector until they have.
             self.kv_mgr.push.abort(self.bootstrap_room)
             self.kv_mgr.push.remove_room(self.bootstrap_room)
+            self.abort_notified = True
 
     def abort(self) -> None:
         self._fail("aborted by the decode engine")
@@ -540,15 +576,23 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
     def clear(self) -> None:
         if self.added and self.conclude_state != KVPoll.Success:
             self._release()
+            if not self.kv_mgr.enable_deferred_decode_kv_release:
+                # SGLang releases the pages now (its deferred release is switched off):
+                # nothing will ask whether the room drained.
+                self.kv_mgr.decode.forget(self.bootstrap_room)
         elif self.added:
             self.kv_mgr.push.remove_room(self.bootstrap_room)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """The prefill ranks were told in ``abort``; there is no acknowledgement to wait
-        for (``abort_notified`` stays False), so the decode releases the pages at once."""
+        """Tells the prefill ranks to stop (once); a room whose pages never left this rank
+        (``send_metadata`` not called or refused) has nobody to tell, and ``abort_notified``
+        stays False: SGLang releases its pages at once."""
+        if not self.abort_notified:
+            self._release()
 
     def is_abort_release_safe(self) -> bool:
-        return True
+        """For host destinations, which kvxfer refuses (``send_metadata``)."""
+        return self.kv_mgr.is_abort_release_safe(self.bootstrap_room, 0)
 
 
 class KvxferKVBootstrapServer(CommonKVBootstrapServer):

@@ -46,6 +46,7 @@ macro_rules! push_scenarios {
             out_of_range_destinations_are_refused_with_guards_intact,
             prefill_death_fails_its_rooms_within_the_heartbeat_window,
             waiting_and_bootstrap_timeouts, abort_reaches_the_other_side,
+            an_aborted_room_drains_only_after_its_writes_stopped,
             restarted_prefill_at_the_same_address_serves_new_rooms,
             malformed_control_messages_are_dropped_and_serving_continues,
             room_requested_before_the_engine_adds_it);

@@ -10,6 +10,7 @@ use kvxfer_core::push::{RoomStatus, StateKind};
 use kvxfer_layout::{BlockOrder, Dtype};
 
 use crate::conformance::TransportFactory;
+use crate::faulty::WithFaults;
 use crate::pull_env::Model;
 use crate::push_env::{Setup, decode_on, poll_until, prefill_on, run_room};
 use crate::scenarios::pull::clock;
@@ -577,4 +578,61 @@ pub fn room_requested_before_the_engine_adds_it<F: TransportFactory>(f: &F) {
         m.kv.verify(&[(6, r as u32 + 1), (5, r as u32 + 3)])
             .expect("bytes");
     }
+}
+
+/// A room the decode aborts while the prefill's WRITEs are in flight (their completions held
+/// back by the [`Faulty`](crate::faulty::Faulty) decorator) is not drained, so its pages are
+/// not handed back, until the prefill released those WRITEs and acknowledged; afterwards no
+/// byte changes in the decode's cache, and none outside the room's page ever did.
+pub fn an_aborted_room_drains_only_after_its_writes_stopped<F: TransportFactory>(f: &F) {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let faulty = WithFaults(f);
+    let c = clock();
+    let mut pre = prefill_on(&faulty, &s, "drain", Arc::clone(&c), None, None);
+    let mut dec = decode_on(&faulty, &s, "drain", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], Some(2), vec![]);
+    pre.ranks[0].add_room(1, 1, Some(0), vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    let faults = pre.ranks[0].transport().faults();
+    faults.hold_completions(true);
+    pre.ranks[0].send(1, &[3]).expect("send");
+    assert_eq!(
+        pre.ranks[0].transport().in_flight(),
+        2,
+        "KV and aux WRITEs posted"
+    );
+    dec.ranks[0].abort(1);
+    dec.ranks[0].remove_room(1);
+    for _ in 0..50 {
+        dec.ranks[0].poll();
+        assert!(
+            !dec.ranks[0].drained(1),
+            "drained while the prefill may write"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(1));
+    assert_eq!(
+        pre.ranks[0].transport().in_flight(),
+        0,
+        "acknowledged before release"
+    );
+    let at_release = dec.mem[0].kv.mem.clone();
+    faults.hold_completions(false);
+    for _ in 0..50 {
+        pre.ranks[0].poll();
+        dec.ranks[0].poll();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(
+        dec.mem[0].kv.mem == at_release,
+        "a byte landed after the room drained"
+    );
+    dec.mem[0]
+        .kv
+        .verify_except(&[], &[5])
+        .expect("nothing outside the room's page");
 }

@@ -49,11 +49,17 @@ pub(super) enum Done {
         instance: u64,
         ranks: Vec<RankInfo>,
         registered: HashSet<(u32, u32)>,
+        /// Ranks sent the room's pages (the ones that write into them).
+        reached: Vec<RankInfo>,
     },
     BootstrapFailed {
         room: u64,
         reason: String,
+        /// Ranks sent the room's pages before it failed (they may write into them).
+        reached: Vec<RankInfo>,
     },
+    /// An abort went out (the room failed already); nothing to do.
+    AbortSent,
     Probed {
         addr: Addr,
         ok: bool,
@@ -91,26 +97,31 @@ impl Control {
                         MAX_MESSAGE_BYTES,
                     );
                 }
-                Done::BootstrapFailed {
-                    room,
-                    reason: "aborted by the decode engine".into(),
-                }
+                Done::AbortSent
             }
             Job::Bootstrap {
                 room,
                 addr,
                 req,
                 known,
-            } => match self.bootstrap(&addr, &req, known) {
-                Ok((instance, ranks, registered)) => Done::Bootstrapped {
-                    room,
-                    addr,
-                    instance,
-                    ranks,
-                    registered,
-                },
-                Err(reason) => Done::BootstrapFailed { room, reason },
-            },
+            } => {
+                let mut reached = Vec::new();
+                match self.bootstrap(&addr, &req, known, &mut reached) {
+                    Ok((instance, ranks, registered)) => Done::Bootstrapped {
+                        room,
+                        addr,
+                        instance,
+                        ranks,
+                        registered,
+                        reached,
+                    },
+                    Err(reason) => Done::BootstrapFailed {
+                        room,
+                        reason,
+                        reached,
+                    },
+                }
+            }
         }
     }
 
@@ -119,6 +130,7 @@ impl Control {
         addr: &Addr,
         req: &RoomRequest,
         known: Option<(u64, HashSet<(u32, u32)>)>,
+        reached: &mut Vec<RankInfo>,
     ) -> Result<Bootstrapped, String> {
         let t = self.config.request_timeout;
         let deadline = std::time::Instant::now().checked_add(self.config.bootstrap_timeout);
@@ -180,6 +192,10 @@ impl Control {
             if !data {
                 // A dummy destination: completes the rank's status, receives no data.
                 msg.pages.clear();
+            }
+            if !msg.pages.is_empty() {
+                // Noted before the send: one that times out may still have been delivered.
+                reached.push(rank.clone());
             }
             send(rank, &ToPrefill::Room(msg), t)?;
         }

@@ -81,6 +81,11 @@ pub struct PushDecode<T: Transport> {
     thread: Option<JoinHandle<()>>,
     prefills: HashMap<Addr, Prefill>,
     rooms: HashMap<u64, DecodeRoom>,
+    /// Rooms the engine removed while a prefill rank may still write into their pages, and
+    /// when: kept to count acknowledgements until [`PushDecode::drained`], bounded by the
+    /// waiting timeout.
+    draining: HashMap<u64, (Duration, DecodeRoom)>,
+    undrained: u64,
     unknown_notifications: u64,
     sharding: HeadSharding,
 }
@@ -132,6 +137,8 @@ impl<T: Transport> PushDecode<T> {
             thread: Some(thread),
             prefills: HashMap::new(),
             rooms: HashMap::new(),
+            draining: HashMap::new(),
+            undrained: 0,
             unknown_notifications: 0,
             sharding: bufs.kv.sharding(),
         })
@@ -205,19 +212,54 @@ impl<T: Transport> PushDecode<T> {
             .and_then(|r| r.error().map(str::to_string))
     }
 
-    /// Forgets a room.
+    /// Forgets a room; a live one is aborted first. One that a prefill rank may still write
+    /// into is kept aside until [`PushDecode::drained`] says so, or for the waiting timeout
+    /// at most.
     pub fn remove_room(&mut self, room: u64) {
-        self.rooms.remove(&room);
+        if self.status(room).is_some_and(|s| !s.is_final()) {
+            self.abort(room);
+        }
+        if let Some(r) = self.rooms.remove(&room)
+            && !r.drained()
+        {
+            self.draining.insert(room, (self.clock.now(), r));
+        }
     }
 
-    /// Gives up on a room and tells the prefill ranks.
+    /// Whether no prefill rank can still write into `room`'s pages, so that the engine may
+    /// hand them to another request (SGLang's deferred release): it succeeded, every rank
+    /// that was sent its pages acknowledged an abort (after releasing its WRITEs), or the
+    /// prefill was declared dead. True for a room this rank does not know (any more): kept
+    /// aside no longer than the waiting timeout.
+    pub fn drained(&self, room: u64) -> bool {
+        match (self.rooms.get(&room), self.draining.get(&room)) {
+            (Some(r), _) | (None, Some((_, r))) => r.drained(),
+            (None, None) => true,
+        }
+    }
+
+    /// Stops waiting for `room` to drain (the engine released its pages anyway).
+    pub fn forget(&mut self, room: u64) {
+        self.rooms.remove(&room);
+        self.draining.remove(&room);
+    }
+
+    /// Rooms removed before they drained and given up on after the waiting timeout.
+    pub fn undrained(&self) -> u64 {
+        self.undrained
+    }
+
+    /// Gives up on a room and tells its prefill ranks, which acknowledge once they stopped
+    /// writing into it ([`PushDecode::drained`]).
     pub fn abort(&mut self, room: u64) {
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
         r.fail("aborted by the decode engine".into());
-        let ranks = r.ranks().to_vec();
-        self.submit(Job::Abort { room, ranks });
+        let ranks = r.unacked_ranks();
+        if !ranks.is_empty() {
+            self.submit(Job::Abort { room, ranks });
+        }
     }
 
     /// Processes control results, notifications, timeouts and liveness. Never blocks.
@@ -231,17 +273,30 @@ impl<T: Transport> PushDecode<T> {
             self.on_note(&n.from, &n.message);
         }
         let now = self.clock.now();
-        let mut timed_out = Vec::new();
+        let mut failed = Vec::new();
         for (id, r) in &mut self.rooms {
             let live = !r.status().is_final();
             r.advance(*id, now, self.config.waiting_timeout);
-            // Failed here by the waiting timeout (a prefill's own abort is told already): the
-            // prefill ranks may still write, into pages the engine now frees.
-            if live && r.status() == RoomStatus::Failed && !r.aborted_by_prefill() {
-                timed_out.push((*id, r.ranks().to_vec()));
+            // Failed now (waiting timeout, or one writer's abort): every rank that has not
+            // stopped is told to, and acknowledges once it has.
+            if live && r.status() == RoomStatus::Failed {
+                failed.push((*id, r.unacked_ranks()));
             }
         }
-        self.abort_ranks(timed_out);
+        self.abort_ranks(failed);
+        let wait = self.config.waiting_timeout;
+        let undrained = &mut self.undrained;
+        self.draining.retain(|id, (removed, r)| {
+            if r.drained() {
+                return false;
+            }
+            let keep = now.saturating_sub(*removed) <= wait;
+            if !keep {
+                tracing::warn!(room = id, "a removed room's prefill ranks never acknowledged its abort: no longer waited for");
+                undrained.tally(1);
+            }
+            keep
+        });
         self.heartbeat(now);
     }
 
@@ -257,7 +312,7 @@ impl<T: Transport> PushDecode<T> {
                     "the prefill at {}:{} restarted (instance {old:#x}, now {new:#x})",
                     addr.0, addr.1
                 ));
-                ended.push((*id, r.ranks().to_vec()));
+                ended.push((*id, r.unacked_ranks()));
             }
         }
         self.abort_ranks(ended);
@@ -280,6 +335,7 @@ impl<T: Transport> PushDecode<T> {
                 instance,
                 ranks,
                 registered,
+                reached,
             } => {
                 let p = self.prefills.entry(addr.clone()).or_insert(Prefill {
                     instance,
@@ -299,22 +355,45 @@ impl<T: Transport> PushDecode<T> {
                 if let Some(old) = restarted {
                     self.end_rooms_of(&addr, old, instance);
                 }
-                match self.rooms.get_mut(&room) {
+                let agents = reached.iter().map(|r| r.agent.clone());
+                let (tp, sharding) = (self.config.tp, self.sharding);
+                match self.room_mut(room) {
                     Some(r) if !r.status().is_final() => {
                         r.instance = Some(instance);
-                        r.bootstrapped(ranks, self.config.tp, self.sharding);
+                        r.set_reached(agents);
+                        r.bootstrapped(ranks, tp, sharding);
+                        return;
                     }
                     // Aborted, timed out or forgotten while its destinations were on their way:
                     // the prefill ranks have them now and are told to drop them, or they would
                     // write into pages the engine may have handed to another request.
-                    _ => self.submit(Job::Abort { room, ranks }),
+                    Some(r) => {
+                        r.set_reached(agents);
+                        r.learn_ranks(ranks.clone());
+                    }
+                    None => {}
                 }
+                self.submit(Job::Abort { room, ranks });
             }
-            Done::BootstrapFailed { room, reason } => {
-                if let Some(r) = self.rooms.get_mut(&room) {
+            Done::BootstrapFailed {
+                room,
+                reason,
+                reached,
+            } => {
+                if let Some(r) = self.room_mut(room) {
                     r.fail(reason);
+                    r.set_reached(reached.iter().map(|r| r.agent.clone()));
+                    r.learn_ranks(reached.clone());
+                }
+                // Ranks that have the room's pages write into them unless told to stop.
+                if !reached.is_empty() {
+                    self.submit(Job::Abort {
+                        room,
+                        ranks: reached,
+                    });
                 }
             }
+            Done::AbortSent => {}
             Done::Probed { addr, ok } => {
                 let max = self.config.max_heartbeat_failures;
                 let Some(p) = self.prefills.get_mut(&addr) else {
@@ -329,8 +408,10 @@ impl<T: Transport> PushDecode<T> {
                 if p.failures >= max {
                     tracing::warn!(host = %addr.0, port = addr.1, "prefill unreachable: failing its rooms");
                     self.prefills.remove(&addr);
-                    for r in self.rooms.values_mut().filter(|r| r.addr == addr) {
-                        r.fail(format!(
+                    let rooms = self.rooms.values_mut();
+                    let removed = self.draining.values_mut().map(|(_, r)| r);
+                    for r in rooms.chain(removed).filter(|r| r.addr == addr) {
+                        r.prefill_gone(format!(
                             "prefill {}:{} missed {max} heartbeats",
                             addr.0, addr.1
                         ));
@@ -351,7 +432,7 @@ impl<T: Transport> PushDecode<T> {
             | PushNote::State { room, .. }
             | PushNote::Abort { room } => room,
         };
-        let Some(r) = self.rooms.get_mut(&room_id) else {
+        let Some(r) = self.room_mut(room_id) else {
             self.unknown_notifications.tally(1);
             return;
         };
@@ -360,12 +441,22 @@ impl<T: Transport> PushDecode<T> {
         }
     }
 
+    /// A room the engine has, or one it removed that is still draining.
+    fn room_mut(&mut self, room: u64) -> Option<&mut DecodeRoom> {
+        match self.rooms.get_mut(&room) {
+            Some(r) => Some(r),
+            None => self.draining.get_mut(&room).map(|(_, r)| r),
+        }
+    }
+
     fn heartbeat(&mut self, now: Duration) {
         let interval = self.config.heartbeat_interval;
+        // Probed while a room waits for data or for its writers to stop.
         let busy: HashSet<Addr> = self
             .rooms
             .values()
-            .filter(|r| !r.status().is_final())
+            .chain(self.draining.values().map(|(_, r)| r))
+            .filter(|r| !r.status().is_final() || !r.drained())
             .map(|r| r.addr.clone())
             .collect();
         let mut probes = Vec::new();

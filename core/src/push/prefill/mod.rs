@@ -344,25 +344,15 @@ impl<T: Transport> PushPrefill<T> {
         self.tell_failure(room, &agents);
     }
 
-    /// Tells `agents` that `room` failed here, so they fail it at once; only those this
-    /// rank is the one writer for. Where other prefill ranks or stages also write into a
-    /// decode rank, this rank cannot know that they stopped, and a decode told now could
-    /// hand out pages they still write: such a decode fails the room at its waiting timeout.
+    /// Tells `agents` that `room` failed here (called once its WRITEs were released): each
+    /// fails the room at once, and counts this rank as one that no longer writes into it.
+    /// Where other prefill ranks or stages also write into a decode rank, the decode tells
+    /// them to stop and keeps the pages until each acknowledged ([`PushDecode::drained`]).
+    ///
+    /// [`PushDecode::drained`]: crate::push::PushDecode::drained
     fn tell_failure(&mut self, room: u64, agents: &[String]) {
         for a in agents {
-            let Some(d) = self.decodes.get(a) else {
-                continue;
-            };
-            let writers = d
-                .mapping
-                .links_for_decode(d.args.tp_rank)
-                .map_or(0, |links| {
-                    links
-                        .iter()
-                        .filter(|l| matches!(l.kind, kvxfer_layout::LinkKind::Data(_)))
-                        .count()
-                });
-            if writers == 1 && self.config.pp.1 == 1 {
+            if let Some(d) = self.decodes.get(a) {
                 let _ = self
                     .transport
                     .send_notification(d.peer, &messages::abort_note(room));
@@ -432,6 +422,10 @@ impl<T: Transport> PushPrefill<T> {
                 for x in xfers.into_iter().flatten() {
                     let _ = self.transport.release(x);
                 }
+                // The acknowledgement: nothing of this rank can land in the room's pages any
+                // more (its WRITEs were released just now, `release` waits for or cancels
+                // them; a room it does not know, or does not write to `agent`, has none).
+                self.tell_failure(room, &[agent]);
             }
             ToPrefill::Health => {}
         }
