@@ -55,7 +55,8 @@ export PIP_NO_CACHE_DIR=1
 
 t0=$SECONDS
 # Debian packages, each with the check that shows it is usable. libclang: bindgen for the NIXL
-# and UCX bindings; libucx-dev (>= 1.13): the UCX transport; ucx-utils: ucx_perftest, the UCX
+# bindings (nixl-sys) and for checking the committed UCX ones; libucx-dev (>= 1.13): the UCX
+# headers that check reads, and the system UCX the suite runs on; ucx-utils: ucx_perftest, the UCX
 # benchmark's reference; python3-venv: the NIXL runtime's venv; etcd-server: the real etcd
 # (3.4) the discovery tests start.
 missing=()
@@ -130,6 +131,8 @@ export KVXFER_ETCD_BIN
 prune() { if [ "${KVXFER_TEST_PRUNE:-0}" = 1 ]; then say "pruning $*"; rm -rf "$@"; fi; }
 
 stage "cargo test --workspace --all-features" cargo test --workspace --all-features
+# The committed UCP bindings are what the installed UCX headers give (built above already).
+stage "UCX bindings current" scripts/ucx-bindings.sh --check
 
 # The UCX transport opens libucp at run time; run its suite again on the UCX that NIXL's wheel
 # bundles (1.23 in nixl 1.5.1), which KvxferConnector uses where a NIXL wheel is installed.

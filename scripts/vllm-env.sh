@@ -57,7 +57,10 @@ fi
 say "kvxfer wheel from this checkout"
 "$root/scripts/python-venv.sh" >/dev/null
 rm -rf "$root/target/wheels"
+# With UCX's pkg-config file out of reach: the wheel builds without UCX's headers (its UCP
+# bindings are committed, the library is opened at run time), as on an operator's machine.
 (cd "$root/python" && PATH="$root/.venv-py/bin:$PATH" CARGO_TARGET_DIR="$root/target" \
+    PKG_CONFIG_LIBDIR=/nonexistent PKG_CONFIG_PATH= \
     maturin build --release -q -o "$root/target/wheels" >&2)
 pip install -q --no-deps --force-reinstall "$root"/target/wheels/kvxfer-*.whl
 

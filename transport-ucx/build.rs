@@ -1,5 +1,7 @@
-//! With the `ucx` feature: finds the system UCX with pkg-config (one clear error naming the
-//! package when it is missing) and generates bindings for the UCP calls the transport uses.
+//! With the `regen-bindings` feature: finds the system UCX with pkg-config (one clear error
+//! naming the package when it is missing) and generates bindings for the UCP calls the
+//! transport uses, which `scripts/ucx-bindings.sh` commits as `src/ucp_bindings.rs`. The
+//! `ucx` feature alone builds from that file.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -11,11 +13,11 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    #[cfg(feature = "ucx")]
+    #[cfg(feature = "regen-bindings")]
     ucx::generate();
 }
 
-#[cfg(feature = "ucx")]
+#[cfg(feature = "regen-bindings")]
 mod ucx {
     use std::path::PathBuf;
 
