@@ -648,48 +648,6 @@ fn a_room_failed_by_one_of_two_writers_fails_at_once_and_drains_when_both_stoppe
     assert!(dec.mem[0].state.untouched(4), "no state written");
 }
 
-/// A room the decode aborts while the prefill's WRITEs are in flight is not drained (its
-/// pages may not be handed out) until the prefill processed the abort, released its WRITEs
-/// and acknowledged; nothing lands in its pages afterwards, and nothing waits on the engine
-/// polling the prefill for a removed room either.
-#[test]
-fn an_aborted_room_drains_only_once_its_writer_acknowledged() {
-    let (mut pre, mut dec) = waiting_room("pn18");
-    let faults = pre.ranks[0].transport().faults();
-    faults.hold_completions(true);
-    pre.ranks[0].send(1, &[3]).expect("send");
-    assert_eq!(
-        pre.ranks[0].transport().open_transfers(),
-        2,
-        "KV and aux in flight"
-    );
-    dec.ranks[0].abort(1);
-    dec.ranks[0].remove_room(1);
-    for _ in 0..50 {
-        dec.ranks[0].poll();
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    assert!(
-        !dec.ranks[0].drained(1),
-        "drained while the prefill still writes"
-    );
-    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(1));
-    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::Failed));
-    assert_eq!(
-        pre.ranks[0].transport().open_transfers(),
-        0,
-        "acknowledged before release"
-    );
-    let snapshot = dec.mem[0].kv.mem.clone();
-    faults.release_held();
-    settle_all(&mut pre, &mut dec);
-    assert!(
-        dec.mem[0].kv.mem == snapshot,
-        "a byte landed after the room drained"
-    );
-    assert_eq!(dec.ranks[0].undrained(), 0);
-}
-
 /// A room aborted while its destinations are still on their way (the bootstrap has not come
 /// back) drains once the ranks they reached acknowledged, not before; one whose bootstrap
 /// never reached a rank drains as soon as that is known.
