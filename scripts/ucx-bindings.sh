@@ -2,7 +2,8 @@
 # Regenerates transport-ucx/src/ucp_bindings.rs, the committed UCP bindings, from the system
 # UCX's headers (Debian's libucx-dev, >= 1.13) with bindgen (needs libclang-dev), so that
 # building kvxfer (and its wheel) needs neither. With --check, fails when the committed file
-# differs from what the headers give now (the test command runs this).
+# differs from what the headers give now (as the test the all-features build runs,
+# transport-ucx's sys::committed, does).
 # Usage: scripts/ucx-bindings.sh [--check]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -117,3 +117,19 @@ pub fn status_text(status: ucs_status_t) -> String {
         }
     }
 }
+
+/// Built with `regen-bindings` (as `cargo test --workspace --all-features` does), the
+/// bindings the headers give now are compared with the committed ones.
+#[cfg(all(test, feature = "regen-bindings"))]
+mod committed {
+    #[test]
+    fn the_committed_bindings_are_what_the_ucx_headers_give() {
+        let fresh = include_str!(concat!(env!("OUT_DIR"), "/ucp_bindings.rs"));
+        let committed = include_str!("ucp_bindings.rs");
+        assert!(
+            fresh == committed,
+            "transport-ucx/src/ucp_bindings.rs is not what the UCX headers give: run \
+             scripts/ucx-bindings.sh"
+        );
+    }
+}
