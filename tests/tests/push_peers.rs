@@ -671,6 +671,25 @@ fn a_room_aborted_during_its_bootstrap_drains_after_the_ranks_it_reached() {
         Some(RoomStatus::Failed),
         "the prefill was told"
     );
+    // One aborted (kept, not removed) before its bootstrap came back learns the prefill's
+    // ranks from it: another agent's note is not the room's.
+    dec.ranks[0].add_room(3, ("127.0.0.1", port), vec![6], None, vec![]);
+    dec.ranks[0].abort(3);
+    poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(3));
+    let (mut forged, peer) = forger("pn19-stranger", &dec);
+    let before = dec.ranks[0].unknown_notifications();
+    forged
+        .send_notification(peer, &messages::abort_note(3))
+        .expect("send");
+    let start = Instant::now();
+    while dec.ranks[0].unknown_notifications() == before {
+        dec.ranks[0].poll();
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the stranger's note counted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // A registry nobody answers: the bootstrap fails without reaching a rank.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let dead = silent.local_addr().expect("addr").port();
@@ -680,6 +699,30 @@ fn a_room_aborted_during_its_bootstrap_drains_after_the_ranks_it_reached() {
     dec.ranks[0].remove_room(2);
     assert!(!dec.ranks[0].drained(2));
     poll_until(&mut pre, &mut dec, |_, dec| dec.ranks[0].drained(2));
+}
+
+/// A bootstrap that fails after it sent the room's pages to one prefill rank (the second of
+/// two writers is gone: its registration goes unanswered) tells the rank it reached to stop;
+/// the room drains once that rank acknowledged.
+#[test]
+fn a_bootstrap_that_fails_part_way_stops_the_ranks_it_reached() {
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 2, 1);
+    s.decode_config = |cfg| cfg.request_timeout = Duration::from_millis(300);
+    let c = clock();
+    let mut pre = prefill(&s, "pn20", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn20", c);
+    drop(pre.ranks.remove(1));
+    // The engine has the room: only the decode's abort can end it there (no bootstrap
+    // timeout that would fail it and tell the decode anyway).
+    pre.ranks[0].add_room(1, 1, None, vec![]);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], None, vec![]);
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1) == Some(RoomStatus::Failed)
+    });
+    poll_until(&mut pre, &mut dec, |pre, dec| {
+        pre.ranks[0].status(1) == Some(RoomStatus::Failed) && dec.ranks[0].drained(1)
+    });
 }
 
 /// A live room the prefill engine removes fails, and its one-writer decode is told.

@@ -451,12 +451,13 @@ impl<T: Transport> PushDecode<T> {
 
     fn heartbeat(&mut self, now: Duration) {
         let interval = self.config.heartbeat_interval;
-        // Probed while a room waits for data or for its writers to stop.
+        // Probed while a room waits for data or for its writers to stop (a live room is
+        // never drained).
         let busy: HashSet<Addr> = self
             .rooms
             .values()
             .chain(self.draining.values().map(|(_, r)| r))
-            .filter(|r| !r.status().is_final() || !r.drained())
+            .filter(|r| !r.drained())
             .map(|r| r.addr.clone())
             .collect();
         let mut probes = Vec::new();
