@@ -7,6 +7,7 @@
 
 pub mod clock;
 pub mod copy_pool;
+pub mod digest;
 pub mod host_copy;
 pub mod host_mem;
 pub mod plan;

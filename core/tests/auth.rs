@@ -30,6 +30,7 @@ fn meta() -> HandshakeMeta {
         kvxfer_lease_ms: None,
         kvxfer_instance: None,
         kvxfer_stamps: None,
+        kvxfer_digests: None,
     }
 }
 

@@ -26,6 +26,7 @@ fn meta(engine: &str, rank: u32) -> HandshakeMeta {
         kvxfer_lease_ms: Some(30_000),
         kvxfer_instance: Some(3),
         kvxfer_stamps: None,
+        kvxfer_digests: None,
     }
 }
 

@@ -15,6 +15,7 @@ Load it out of tree, on both engines::
 prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d`` listens on
 ``port + d * tp_size + r``), ``lease`` (seconds the prefill holds unread blocks, 30),
 ``transfer_timeout`` (30), ``handshake_timeout`` (5), ``enforce_compat`` (true),
+``digest`` (false: content digests, on both engines; see ``docs/vllm.md``),
 ``idle_wait`` (0.005: seconds a step that scheduled no token waits for a load or a read to
 finish before it returns, so that an engine waiting only for transfers does not step
 back-to-back; a request arriving meanwhile waits as long; 0 turns it off, at most 1),
@@ -429,6 +430,17 @@ def state_block(ids: list[int], scratch: int) -> list[int]:
     return ids[keep - 1 : keep]
 
 
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false key of ``kv_connector_extra_config`` (JSON booleans, or the strings
+    ``true``/``false`` a command line gives); anything else is refused, naming the key."""
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"kv_connector_extra_config {key!r}: expected true or false, got {value!r}")
+
+
 def _held(ids: list[int]) -> list[int]:
     """A group's block ids without the null blocks (id 0) vLLM's hybrid manager puts where
     it freed out-of-window blocks: always at the start."""
@@ -804,6 +816,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_compat=vllm_compat,
             groups=groups,
             state_groups=state_groups,
+            digest=_flag(e, "digest", False),
             **layout,
         )
         log.info(

@@ -38,6 +38,9 @@ COUNTERS: dict[str, str] = {
     "verified_references": "Loads whose reference the prefill's stamp confirmed after the read",
     "stale_references": "Loads failed: the prefill's stamp refuted their reference (consumed, "
     "expired, reused, or another prompt's)",
+    "verified_digests": "Loads whose received bytes digested as the prefill published (digest on)",
+    "digest_mismatches": "Loads failed: a received block's digest differed from the prefill's",
+    "digest_time": "Seconds the prefill spent digesting held blocks",
     "refused_loads": "Loads refused because one of the same request was in flight",
     "lost_connections": "Prefill connections dropped after a failure (the next load reconnects)",
     "peer_restarts": "Handshakes that found a prefill restarted under the same engine id",
@@ -88,6 +91,8 @@ class KvxferStats(KVConnectorStats):
             "expired_reads": d.get("expired_reads", 0),
             "verified_references": d.get("verified_references", 0),
             "stale_references": d.get("stale_references", 0),
+            "verified_digests": d.get("verified_digests", 0),
+            "digest_mismatches": d.get("digest_mismatches", 0),
             "refused_loads": d.get("refused_loads", 0),
             "lost_connections": d.get("lost_connections", 0),
             "peer_restarts": d.get("peer_restarts", 0),

@@ -190,7 +190,7 @@ impl PullWorker {
         side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
         heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
         failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None,
-        groups = None, state_groups = None
+        groups = None, state_groups = None, digest = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -227,6 +227,7 @@ impl PullWorker {
         vllm_compat: Option<&str>,
         groups: Option<Vec<Vec<u32>>>,
         state_groups: Option<Vec<u32>>,
+        digest: bool,
     ) -> PyResult<Self> {
         let mut cache = cache::build(CacheArgs {
             kind,
@@ -283,6 +284,7 @@ impl PullWorker {
         };
         config.enforce_compat = enforce_compat;
         config.prepared_lists = prepared_lists;
+        config.digest = digest;
         config.vllm = vllm_compat.map(parse_vllm_compat).transpose()?;
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();
@@ -293,6 +295,7 @@ impl PullWorker {
                     pull::PullError::Transport(t) => errors::transport(t),
                     pull::PullError::Layout(l) => LayoutError::new_err(l.to_string()),
                     pull::PullError::SideChannel(s) => SideChannelError::new_err(s),
+                    pull::PullError::Config(c) => InvalidArgumentError::new_err(c),
                 }
             })
         })?;
@@ -425,6 +428,9 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("expired_reads", m.expired_reads)?;
     d.set_item("verified_references", m.verified_references)?;
     d.set_item("stale_references", m.stale_references)?;
+    d.set_item("verified_digests", m.verified_digests)?;
+    d.set_item("digest_mismatches", m.digest_mismatches)?;
+    d.set_item("digest_time", m.digest_time.as_secs_f64())?;
     d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("lost_connections", m.lost_connections)?;
     d.set_item("peer_restarts", m.peer_restarts)?;

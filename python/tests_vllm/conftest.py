@@ -158,8 +158,8 @@ def hybrid_engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Engine, Engine, Engine]]:
     """A prefill and a decode of a hybrid model (full and sliding-window layers: two KV cache
-    groups sharing memory), UCX, and an engine running vLLM's own NixlConnector; the decodes
-    recompute what they could not load."""
+    groups sharing memory), UCX, with content digests on, and an engine running vLLM's own
+    NixlConnector; the decodes recompute what they could not load."""
     _usable_or_skip("ucx", HYBRID_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-hybrid")
     with running(
@@ -167,14 +167,14 @@ def hybrid_engines(
             Engine(
                 "prefill-hybrid",
                 "0",
-                {"side_channel_port": free_port()},
+                {"side_channel_port": free_port(), "digest": True},
                 logdir,
                 model=HYBRID_MODEL,
             ),
             Engine(
                 "decode-hybrid",
                 "1",
-                {"side_channel_port": free_port()},
+                {"side_channel_port": free_port(), "digest": True},
                 logdir,
                 model=HYBRID_MODEL,
                 transfer_config={"kv_load_failure_policy": "recompute"},

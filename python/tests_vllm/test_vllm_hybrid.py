@@ -3,7 +3,8 @@ and gpt-oss interleave them) in a real vLLM: its hybrid KV cache manager gives e
 cache group with its own block ids, and lays a layer of each group over the same memory.
 KvxferConnector moves every group, each by its own blocks (a sliding-window group only the
 blocks its window still reads); the prefill stops before the last prompt token, which the
-decode computes, so that no block the decode's window reads is freed."""
+decode computes, so that no block the decode's window reads is freed. Both run with content
+digests on: every load is checked against the digests the prefill published."""
 
 from typing import Any
 
@@ -46,11 +47,14 @@ def test_every_group_arrives_byte_identical_below_and_above_the_window(
     p_blocks = p.call({"op": "kv_hashes"})
     before = d.call({"op": "kv_hashes"})
     external = d.call({"op": "external_tokens"})
-    failed = kvxfer_metrics(d).get("vllm:kvxfer_failed_setups", 0)
+    before_metrics = kvxfer_metrics(d)
     remote = decode(d, xs, params)
     # All but the last prompt token, which the decode computes (its window's blocks kept).
     assert d.call({"op": "external_tokens"}) - external == sum(lengths) - len(lengths)
-    assert kvxfer_metrics(d).get("vllm:kvxfer_failed_setups", 0) == failed
+    after_metrics = kvxfer_metrics(d)
+    for key, grew in [("failed_setups", 0), ("digest_mismatches", 0), ("verified_digests", 4)]:
+        name = f"vllm:kvxfer_{key}"
+        assert after_metrics.get(name, 0) - before_metrics.get(name, 0) == grew, key
     after = d.call({"op": "kv_hashes"})
     for n, q in zip(lengths, params, strict=True):
         for layer, group in GROUP_OF_LAYER.items():

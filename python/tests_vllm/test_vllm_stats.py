@@ -43,6 +43,8 @@ def test_steps_aggregate_and_reduce_to_the_logged_summary() -> None:
         "expired_reads": 0,
         "verified_references": 0,
         "stale_references": 0,
+        "verified_digests": 0,
+        "digest_mismatches": 0,
         "refused_loads": 0,
         "lost_connections": 0,
         "peer_restarts": 0,

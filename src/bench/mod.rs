@@ -90,6 +90,8 @@ pub struct BenchConfig {
     pub keep_going: bool,
     /// Pull: find the prefill (`bench`) or register it (`serve`) through etcd.
     pub discovery: Option<DiscoveryConfig>,
+    /// Pull: content digests on, after a run with them off (see [`run`]).
+    pub digest: bool,
 }
 
 /// Why a bench could not run or failed.
@@ -140,9 +142,41 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
         in_process_only(c)?;
     }
     if c.mode == Mode::Push {
+        if c.digest {
+            return Err(BenchError::Config(
+                "--digest: content digests are built for pull mode only so far".into(),
+            ));
+        }
         return push::run(c, progress);
     }
+    if c.digest {
+        return with_and_without_digests(c, progress);
+    }
     pull::run(c, progress)
+}
+
+/// `--digest`: the same pull bench without content digests, then with them; the report is
+/// the second run's, with the first's throughput and their ratio.
+fn with_and_without_digests(
+    c: &BenchConfig,
+    progress: &mut dyn FnMut(u32, u32),
+) -> Result<BenchReport, BenchError> {
+    if c.connect.is_some() || c.discovery.is_some() {
+        return Err(BenchError::Config(
+            "--digest runs both engines here (a served prefill holds no request to digest)".into(),
+        ));
+    }
+    let off = pull::run(
+        &BenchConfig {
+            digest: false,
+            ..c.clone()
+        },
+        progress,
+    )?;
+    let mut on = pull::run(c, progress)?;
+    on.digest_off_gb_per_s = off.gb_per_s;
+    on.digest_on_to_off = on.gb_per_s / off.gb_per_s.max(1e-9);
+    Ok(on)
 }
 
 /// `kvxfer serve --role prefill`: fills a prefill engine's caches, listens on `port` (rank r

@@ -13,7 +13,9 @@ use kvxfer_layout::{CacheSpec, Side, TpMapping};
 use super::blocks::{choose, source_blocks, xorshift};
 use super::discovery::{Resolver, register};
 use super::rank::Rank;
-use super::timing::{POLL_PAUSE, ceiling_baseline, finish, mean_piece, memcpy_baseline, ms};
+use super::timing::{
+    POLL_PAUSE, ceiling_baseline, digest_baseline, finish, mean_piece, memcpy_baseline, ms,
+};
 use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
@@ -74,6 +76,7 @@ fn side(
             // A served prefill (`kvxfer serve`, a fixed port) holds no request: the bench's
             // decode makes its references up, so they carry no stamp it could confirm.
             cfg.stamp_references = fixed_port.is_none();
+            cfg.digest = c.digest;
             let kv = ranks[r as usize].kv(&c.model);
             let transport = open(c.transport, &format!("{name}-{r}"))?;
             match PullWorker::new(transport, cfg, kv, clock.clone()) {
@@ -160,6 +163,7 @@ pub(super) fn run(
     let mut measured = Duration::ZERO;
     let mut metrics = PullMetrics::default();
     let mut moved = 0u64;
+    let mut prefill_digest = Duration::ZERO;
     let mut next = 0u32;
     while next < total {
         if let Some(r) = &resolver {
@@ -283,6 +287,9 @@ pub(super) fn run(
         for w in &mut dec.workers {
             wave_metrics.merge(&w.take_metrics());
         }
+        for w in pre.iter_mut().flat_map(|p| p.workers.iter_mut()) {
+            prefill_digest += w.take_metrics().digest_time;
+        }
         report.lost_connections += wave_metrics.lost_connections;
         report.peer_restarts += wave_metrics.peer_restarts;
         report.failed_requests += failed_jobs.iter().filter(|&&f| f).count() as u32;
@@ -333,6 +340,11 @@ pub(super) fn run(
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
     report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
     report.library(&metrics.backend);
+    if c.digest {
+        report.digest = true;
+        report.digest_gb_per_s = digest_baseline(source, moved, piece);
+        report.prefill_digest_ms_per_request = ms(prefill_digest) / f64::from(total.max(1));
+    }
     finish(&mut report, c, latencies, moved, measured, memcpy, ceiling);
     Ok(report)
 }

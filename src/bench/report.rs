@@ -76,6 +76,17 @@ pub struct BenchReport {
     pub lost_connections: u64,
     /// Handshakes that found the prefill restarted (warm-up included).
     pub peer_restarts: u64,
+    /// `--digest`: content digests were on.
+    pub digest: bool,
+    /// `--digest`: one thread's xxh3-64 rate over the same bytes, in the same pieces.
+    pub digest_gb_per_s: f64,
+    /// `--digest`: per request, the prefill's time digesting its blocks when the hold
+    /// started (outside the measured waves, as an engine digests after its forward pass).
+    pub prefill_digest_ms_per_request: f64,
+    /// `--digest`: throughput of the same bench with digests off, run first.
+    pub digest_off_gb_per_s: f64,
+    /// `--digest`: throughput with digests on divided by that without.
+    pub digest_on_to_off: f64,
 }
 
 impl BenchReport {
@@ -202,6 +213,20 @@ impl BenchReport {
                 format!(
                     "{} requests failed; {} connections lost, {} prefill restarts found",
                     self.failed_requests, self.lost_connections, self.peer_restarts
+                ),
+            ));
+        }
+        if self.digest {
+            rows.push((
+                "digests on / off",
+                format!(
+                    "{:.2} GB/s / {:.2} GB/s ({:.2}x); xxh3-64 {:.2} GB/s (1 thread, {:.2}x memcpy); prefill {:.3} ms per request",
+                    self.gb_per_s,
+                    self.digest_off_gb_per_s,
+                    self.digest_on_to_off,
+                    self.digest_gb_per_s,
+                    self.digest_gb_per_s / self.memcpy_gb_per_s.max(1e-9),
+                    self.prefill_digest_ms_per_request
                 ),
             ));
         }

@@ -41,6 +41,24 @@ pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration 
     t.elapsed()
 }
 
+/// One thread's xxh3-64 digest rate, in GB/s, over `bytes` bytes of `src` in pieces of
+/// `piece` bytes (wrapping around the source): what digesting costs next to the copy.
+pub(crate) fn digest_baseline(src: &[u8], bytes: u64, piece: usize) -> f64 {
+    let piece = piece.min(src.len()).max(1);
+    let t = Instant::now();
+    let (mut done, mut at, mut acc) = (0u64, 0usize, 0u64);
+    while done < bytes && !src.is_empty() {
+        if at + piece > src.len() {
+            at = 0;
+        }
+        acc ^= kvxfer_core::digest::of(&src[at..at + piece]);
+        at += piece;
+        done += piece as u64;
+    }
+    std::hint::black_box(acc);
+    done as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
+}
+
 /// The machine's copy ceiling for pieces of `piece` bytes, in GB/s: `bytes` bytes (at most
 /// 1 GiB a pass, best of five passes) as pieces at random piece-aligned places in `src`
 /// copied to random places in a pre-touched 256 MiB destination, on all cores (each its own

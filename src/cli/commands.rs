@@ -71,6 +71,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 transfer_timeout: std::time::Duration::from_secs(30),
                 raw_posts: false,
                 keep_going: false,
+                digest: false,
                 discovery: discovery.config(),
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -119,6 +120,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
             transfer_timeout,
             raw_posts,
             keep_going,
+            digest,
             discovery,
         } => {
             let model = match with_cache(model, cache) {
@@ -149,6 +151,7 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
                 raw_posts,
                 keep_going,
+                digest,
                 discovery: discovery.config(),
             };
             match sweep {

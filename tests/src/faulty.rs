@@ -13,6 +13,8 @@
 //! transfers report `InProgress` until released, whatever happened to them, so a suite
 //! shows that nothing is reported (or handed back to an engine) before its transfers end.
 //! Notifications can be failed too: the next few sends return an error, sending nothing.
+//! And a READ can be corrupted in flight: one byte of what landed flipped when it completes,
+//! as a faulty link or NIC would (what content digests must catch).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -45,6 +47,9 @@ struct Armed {
     hold: bool,
     /// Notifications that fail to send, from the next one on.
     unsent: usize,
+    /// READs posted with ranges (not by index) whose first landed range gets one byte
+    /// flipped when they complete, from the next one on.
+    corrupt: usize,
 }
 
 /// How one post goes.
@@ -85,6 +90,20 @@ impl FaultSwitch {
 
     fn held(&self) -> bool {
         self.armed().hold
+    }
+
+    /// The next `n` READs posted with ranges land with one byte flipped (the middle byte of
+    /// their first local range), as a link that corrupts data would leave them.
+    pub fn corrupt_next_reads(&self, n: usize) {
+        self.armed().corrupt = n;
+    }
+
+    /// Consumes one READ's share of the armed corruption: whether it is corrupted.
+    fn take_corruption(&self) -> bool {
+        let mut a = self.armed();
+        let corrupt = a.corrupt > 0;
+        a.corrupt = a.corrupt.saturating_sub(1);
+        corrupt
     }
 
     /// The next `n` notifications sent through the transport fail without being sent.
@@ -133,6 +152,8 @@ pub struct Faulty<T: Transport> {
     inner: T,
     switch: FaultSwitch,
     xfers: HashMap<XferId, Posted>,
+    /// Forwarded READs to corrupt when they complete: the address of the byte to flip.
+    corrupt: HashMap<XferId, u64>,
     next: u64,
 }
 
@@ -143,6 +164,7 @@ impl<T: Transport> Faulty<T> {
             inner,
             switch: FaultSwitch::default(),
             xfers: HashMap::new(),
+            corrupt: HashMap::new(),
             next: 0,
         }
     }
@@ -257,18 +279,30 @@ impl<T: Transport> Transport for Faulty<T> {
         remote: &[AddrRange],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        self.post_with(|t| t.post(op, peer, kind, local, remote, notification))
+        let x = self.post_with(|t| t.post(op, peer, kind, local, remote, notification))?;
+        let forwarded = matches!(self.xfers.get(&x), Some(Posted::Inner(_)));
+        if let (Op::Read, true, Some(first)) = (op, forwarded, local.first()) {
+            if kind.0 == MemoryKind::Host && first.len > 0 && self.switch.take_corruption() {
+                self.corrupt.insert(x, first.addr + first.len / 2);
+            }
+        }
+        Ok(x)
     }
 
     fn status(&mut self, xfer: XferId) -> TransportResult<XferStatus> {
         match self.lookup(xfer)? {
             Posted::Inner(x) => {
                 let status = self.inner.status(x).map_err(|e| outer(e, xfer))?;
-                Ok(if self.switch.held() {
-                    XferStatus::InProgress
-                } else {
-                    status
-                })
+                if self.switch.held() {
+                    return Ok(XferStatus::InProgress);
+                }
+                let done = matches!(status, XferStatus::Done);
+                if let Some(addr) = done.then(|| self.corrupt.remove(&xfer)).flatten() {
+                    // SAFETY: `addr` lies inside the local range the READ landed in, host
+                    // memory the caller registered and keeps while the transfer is known.
+                    unsafe { *(addr as *mut u8) ^= 0x01 };
+                }
+                Ok(status)
             }
             Posted::Injected => Ok(XferStatus::Failed(INJECTED.into())),
         }
@@ -277,6 +311,7 @@ impl<T: Transport> Transport for Faulty<T> {
     fn release(&mut self, xfer: XferId) -> TransportResult<()> {
         let posted = self.lookup(xfer)?;
         self.xfers.remove(&xfer);
+        self.corrupt.remove(&xfer);
         match posted {
             Posted::Inner(x) => self.inner.release(x).map_err(|e| outer(e, xfer)),
             Posted::Injected => Ok(()),

@@ -33,6 +33,7 @@ fn handshake() -> HandshakeMeta {
         kvxfer_lease_ms: Some(30_000),
         kvxfer_instance: Some(1),
         kvxfer_stamps: None,
+        kvxfer_digests: None,
     }
 }
 

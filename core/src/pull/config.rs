@@ -144,6 +144,12 @@ pub struct PullConfig {
     /// that serves its memory without holding requests (`kvxfer serve` for the benchmark,
     /// whose decode makes its references up).
     pub stamp_references: bool,
+    /// Content digests (`kvxfer_core::digest`): a prefill publishes a digest of each held
+    /// block's heads, and a decode reports a load done only once the bytes it received
+    /// digest the same, failing it otherwise. Both sides must have it on (a decode refuses
+    /// a prefill that publishes none). Host memory only, and references must be stamped.
+    /// Off by default.
+    pub digest: bool,
 }
 
 impl PullConfig {
@@ -168,6 +174,7 @@ impl PullConfig {
             prepared_lists: true,
             vllm: None,
             stamp_references: true,
+            digest: false,
         }
     }
 }

@@ -42,6 +42,15 @@ pub struct PullMetrics {
     /// Decode side: loads failed because the prefill's stamp table refuted their reference
     /// (consumed, expired, superseded, or computed for another prompt).
     pub stale_references: u64,
+    /// Decode side: loads whose received bytes digested as the prefill published
+    /// (`PullConfig::digest`).
+    pub verified_digests: u64,
+    /// Decode side: loads failed because a received block's digest differed from the one
+    /// the prefill published: bytes other than the source's landed (or the source changed
+    /// after it was digested).
+    pub digest_mismatches: u64,
+    /// Prefill side: time spent digesting held blocks.
+    pub digest_time: Duration,
     /// Loads refused because one of the same request id was already in flight.
     pub refused_loads: u64,
     /// Cached connections to a prefill engine dropped after a failed transfer or a peer
@@ -116,6 +125,9 @@ impl PullMetrics {
         self.expired_reads += o.expired_reads;
         self.verified_references += o.verified_references;
         self.stale_references += o.stale_references;
+        self.verified_digests += o.verified_digests;
+        self.digest_mismatches += o.digest_mismatches;
+        self.digest_time += o.digest_time;
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
         self.peer_restarts += o.peer_restarts;
@@ -155,6 +167,9 @@ mod tests {
             expired_reads: n,
             verified_references: n,
             stale_references: n,
+            verified_digests: n,
+            digest_mismatches: n,
+            digest_time: ms(n),
             refused_loads: n,
             lost_connections: n,
             peer_restarts: n,

@@ -8,6 +8,7 @@
 mod aggregate;
 mod block_lists;
 mod config;
+pub mod digests;
 pub mod holds;
 mod metrics;
 pub mod notify;

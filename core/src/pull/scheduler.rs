@@ -141,6 +141,10 @@ pub struct Hold {
     pub req_id: String,
     /// Its stamp: the generation its reference carries, and its content key.
     pub stamp: Stamp,
+    /// Its blocks per KV cache group: what a worker that publishes content digests
+    /// digests when the hold starts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_ids: Vec<Vec<u32>>,
 }
 
 /// The outcome of a finished request on the prefill side.
@@ -331,6 +335,7 @@ impl PullScheduler {
             self.pending.hold.push(Hold {
                 req_id: req_id.into(),
                 stamp,
+                block_ids: block_ids.to_vec(),
             });
         }
         FinishDecision {
@@ -596,7 +601,8 @@ mod tests {
             hold,
             vec![Hold {
                 req_id: "r".into(),
-                stamp
+                stamp,
+                block_ids: vec![vec![4, 5]],
             }]
         );
         // The decode expects that stamp, with the content it names.

@@ -67,6 +67,11 @@ pub struct HandshakeMeta {
     /// stamped (older kvxfer, stock peers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_stamps: Option<u64>,
+    /// Where the rank's digest table lies (`kvxfer_core::pull::digests`): one entry of a
+    /// digest per KV head for each block id, written when a hold starts. Absent: the rank
+    /// publishes no content digests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_digests: Option<u64>,
 }
 
 /// A cache spec on the wire, with the model-wide facts a compatibility check needs.
@@ -277,6 +282,7 @@ mod tests {
             kvxfer_lease_ms: Some(30_000),
             kvxfer_instance: Some(7),
             kvxfer_stamps: Some(4096),
+            kvxfer_digests: None,
         }
     }
 

@@ -4,6 +4,7 @@
 //!
 //! [`TransportFactory`]: crate::conformance::TransportFactory
 
+pub mod digest;
 pub mod pull;
 pub mod push;
 pub mod stamped;
@@ -31,7 +32,10 @@ macro_rules! pull_scenarios {
             a_request_held_again_keeps_only_its_new_reference,
             a_reference_read_before_its_hold_started_loads_once_it_starts,
             a_reference_never_held_fails_at_the_transfer_timeout,
-            an_unsent_read_done_note_is_counted_and_the_blocks_stay_held);
+            an_unsent_read_done_note_is_counted_and_the_blocks_stay_held,
+            content_digests_verify_correct_loads_across_tp_sizes,
+            a_corrupted_read_and_a_changed_source_fail_their_loads,
+            a_decode_with_digests_refuses_a_prefill_without_them);
     };
 }
 

@@ -18,6 +18,11 @@ use crate::conformance::TransportFactory;
 use crate::faulty::{Faulty, REFUSED};
 use crate::pull_env::{Engine, Model, engine, poll_until};
 
+pub use super::digest::{
+    a_corrupted_read_and_a_changed_source_fail_their_loads,
+    a_decode_with_digests_refuses_a_prefill_without_them,
+    content_digests_verify_correct_loads_across_tp_sizes,
+};
 pub use super::stamped::{
     a_reference_never_held_fails_at_the_transfer_timeout,
     a_reference_read_before_its_hold_started_loads_once_it_starts,

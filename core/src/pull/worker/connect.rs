@@ -341,6 +341,7 @@ impl<T: Transport> PullWorker<T> {
             lists: None,
             instance: meta.kvxfer_instance,
             stamps: meta.kvxfer_stamps.filter(|_| native.is_none()),
+            digests: meta.kvxfer_digests.filter(|_| native.is_none()),
             stock: native.is_some(),
             groups,
         };

@@ -12,14 +12,21 @@ use crate::transport::Transport;
 impl<T: Transport> PullWorker<T> {
     /// Holds each finished request's blocks for its readers, counting the notes that came
     /// before the hold.
-    /// Each hold's stamp is in the table before the hold starts, and stays until
-    /// [`PullWorker::unstamp_freed`] sees the request freed.
+    /// Each hold's stamp is in the table when the hold starts (with content digests, after
+    /// its blocks' entries), and stays until [`PullWorker::unstamp_freed`] sees the request
+    /// freed.
     pub(super) fn start_holds(&mut self, hold: &[Hold]) {
         let now = self.clock.now();
         for h in hold {
             if let Some(old) = self.stamped.insert(h.req_id.clone(), h.stamp) {
                 // Held again: the new reference replaces the old one.
                 self.stamps.release(old);
+            }
+            if let Some(d) = &self.digests {
+                // The entries first: a decode that finds the stamp finds them written.
+                let start = std::time::Instant::now();
+                d.publish(&h.req_id, &h.block_ids);
+                self.metrics.digest_time.tally(start.elapsed());
             }
             self.stamps.set(h.stamp);
             self.holds.hold(&h.req_id, now, &mut self.finished.sending);

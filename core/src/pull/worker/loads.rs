@@ -114,6 +114,20 @@ impl<T: Transport> PullWorker<T> {
                     posted,
                 ));
             }
+            if self.digests.is_some() && matches!(link.kind, LinkKind::Data(_)) {
+                let missing = if rank.digests.is_none() {
+                    Some("publishes no content digests (switch them on there too)")
+                } else if !stamped {
+                    Some("does not stamp its references, which content digests need")
+                } else if resized {
+                    Some("holds blocks of another size: content digests need equal block sizes")
+                } else {
+                    None
+                };
+                if let Some(why) = missing {
+                    return Err((format!("prefill rank {} {why}", link.prefill_rank), posted));
+                }
+            }
             let data_note = (!stamped).then_some(note.as_slice());
             // Prepared lists describe one block table: single-group caches only.
             let single = match pairs.as_slice() {
@@ -145,10 +159,11 @@ impl<T: Transport> PullWorker<T> {
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
-                    if stamped {
+                    if let (true, LinkKind::Data(slice)) = (stamped, link.kind) {
                         verify.push(Verify {
                             rank: link.prefill_rank,
                             note: note.clone(),
+                            slice,
                         });
                     }
                     let pairs = local.len() as u64;
@@ -202,10 +217,11 @@ impl<T: Transport> PullWorker<T> {
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     posted.push(x);
-                    if stamped {
+                    if let (true, LinkKind::Data(slice)) = (stamped, link.kind) {
                         verify.push(Verify {
                             rank: link.prefill_rank,
                             note: note.clone(),
+                            slice,
                         });
                     }
                     self.metrics.transfers.tally(1);
@@ -250,8 +266,9 @@ impl<T: Transport> PullWorker<T> {
         let mut lost: Vec<(String, String)> = Vec::new();
         for (id, load) in &mut self.loads {
             let had_failed = load.failed.is_some();
-            // Stamp READs are not counted with the data (`transfers`, `bytes` neither).
-            let data = load.checking.is_empty();
+            // Stamp and digest READs are not counted with the data (`transfers`, `bytes`
+            // neither).
+            let data = load.checking.is_empty() && load.digesting.is_none();
             let mut still = Vec::with_capacity(load.xfers.len());
             for &(x, posted) in &load.xfers {
                 match self.transport.status(x) {
@@ -311,16 +328,37 @@ impl<T: Transport> PullWorker<T> {
         }
     }
     /// A load whose transfers all ended: its data READs, then (stamped references) its
-    /// stamp READs are posted, or it is checked and reported.
+    /// stamp READs, then (content digests) the READs of its digest entries are posted, or
+    /// it is checked and reported.
     fn end_phase(&mut self, mut load: Load) {
+        if let Some(landed) = load.digesting.take() {
+            // The digest entries landed (or their READs ended otherwise): check the blocks
+            // against them, on the digest threads.
+            if load.failed.is_some() {
+                self.drop_digests(landed);
+                return self.report(load);
+            }
+            self.start_check(&mut load, landed);
+        }
+        if let Some(v) = &load.verifying {
+            if v.parts > 0 {
+                self.loads.insert(load.req.req_id.clone(), load);
+                return;
+            }
+            let mismatch = load.verifying.take().and_then(|v| v.mismatch);
+            load.failed = self.checked(&load, mismatch);
+            return self.report(load);
+        }
         let checking = std::mem::take(&mut load.checking);
         let checked = !checking.is_empty();
         if load.failed.is_none() && checked {
+            let hold = self.digests.is_some().then_some(&mut load.confirmed);
             load.failed = self.check_stamps(
                 &load.req,
                 checking,
                 &mut load.verify,
                 &mut load.hold_pending,
+                hold,
             );
         } else {
             self.scratch
@@ -355,6 +393,46 @@ impl<T: Transport> PullWorker<T> {
                 self.loads.insert(load.req.req_id.clone(), load);
                 return;
             }
+        }
+        if load.failed.is_none() && !load.confirmed.is_empty() {
+            // Every stamp confirmed the hold: read the digest entries of the blocks.
+            match self.post_digest_reads(&mut load) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // The digest scratch is short: the next poll tries again, up to the
+                    // transfer timeout.
+                    let now = self.clock.now();
+                    let since = *load.stamp_wait.get_or_insert(now);
+                    if now.saturating_sub(since) <= self.config.transfer_timeout {
+                        self.loads.insert(load.req.req_id.clone(), load);
+                        return;
+                    }
+                    load.failed = Some(format!(
+                        "no room in the digest scratch within {:?}",
+                        self.config.transfer_timeout
+                    ));
+                }
+                Err(reason) => {
+                    self.metrics.failed_setups.tally(1);
+                    load.failed = Some(reason);
+                }
+            }
+            if !load.xfers.is_empty() {
+                self.loads.insert(load.req.req_id.clone(), load);
+                return;
+            }
+            if let Some(landed) = load.digesting.take() {
+                self.drop_digests(landed);
+            }
+        }
+        self.report(load);
+    }
+
+    /// Reports a load whose transfers all ended: done, or failed with its blocks. Read-done
+    /// notes still kept (content digests) go now: the blocks were read.
+    fn report(&mut self, mut load: Load) {
+        for v in std::mem::take(&mut load.confirmed) {
+            self.send_read_done(&load.req, &v);
         }
         match load.failed {
             None => self.finished.recving.push(load.req.req_id),
@@ -417,7 +495,8 @@ impl<T: Transport> PullWorker<T> {
 
     /// Checks what each stamp READ found against the reference's stamp, giving the scratch
     /// slots back: the reason of the first refutation (counted), or none. A rank that
-    /// confirmed the hold gets its read-done note now; one whose hold has not started goes
+    /// confirmed the hold gets its read-done note now, or goes to `confirmed` where given
+    /// (content digests, checked before the note); one whose hold has not started goes
     /// back to `again`, to be read another time, and sets `hold_pending`.
     fn check_stamps(
         &mut self,
@@ -425,6 +504,7 @@ impl<T: Transport> PullWorker<T> {
         checking: Vec<(u32, Verify)>,
         again: &mut Vec<Verify>,
         hold_pending: &mut bool,
+        mut confirmed: Option<&mut Vec<Verify>>,
     ) -> Option<String> {
         use crate::pull::stamps::{Held, check};
         let stamp = req.stamp?;
@@ -434,7 +514,10 @@ impl<T: Transport> PullWorker<T> {
         self.scratch.give_back(slots);
         for (read, v) in reads.into_iter().zip(checks) {
             match check(read, stamp) {
-                Ok(Held::Yes) => self.send_read_done(req, &v),
+                Ok(Held::Yes) => match confirmed.as_deref_mut() {
+                    Some(c) => c.push(v),
+                    None => self.send_read_done(req, &v),
+                },
                 Ok(Held::NotYet) => {
                     *hold_pending = true;
                     again.push(v);

@@ -43,6 +43,9 @@ pub enum PullError {
     /// The side channel could not start.
     #[error("side channel: {0}")]
     SideChannel(String),
+    /// The settings cannot work together, or not with this cache.
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 /// A load in the step metadata that was not started.
@@ -106,6 +109,8 @@ struct RemoteRank {
     stock: bool,
     /// Where its stamp table lies, when it stamps its references.
     stamps: Option<u64>,
+    /// Where its digest table lies, when it publishes content digests.
+    digests: Option<u64>,
 }
 
 /// One prefill rank's metadata as a handshake fetched it.
@@ -159,6 +164,14 @@ struct Load {
     /// A stamp READ found the reference's hold not started yet (its engine keeps the blocks
     /// until then).
     hold_pending: bool,
+    /// With content digests: the ranks whose stamps confirmed the hold, with their
+    /// read-done notes, sent once the digests were checked (the hold, and its digest
+    /// entries, stand until then).
+    confirmed: Vec<Verify>,
+    /// With content digests: where the READs of the digest entries land, once posted.
+    digesting: Option<Vec<digests::Landing>>,
+    /// With content digests: the check of the blocks against the entries, once started.
+    verifying: Option<digests::Verifying>,
 }
 
 impl Load {
@@ -171,6 +184,9 @@ impl Load {
             checking: Vec::new(),
             stamp_wait: None,
             hold_pending: false,
+            confirmed: Vec::new(),
+            digesting: None,
+            verifying: None,
         }
     }
 }
@@ -181,6 +197,8 @@ impl Load {
 struct Verify {
     rank: u32,
     note: Vec<u8>,
+    /// The heads the rank's data READ moved (what a content digest check compares).
+    slice: kvxfer_layout::HeadSlice,
 }
 
 /// One TP rank's worker.
@@ -222,9 +240,13 @@ pub struct PullWorker<T: Transport> {
     stamped: HashMap<String, Stamp>,
     /// Decode side: where stamp READs land.
     scratch: Scratch,
+    /// With content digests (`PullConfig::digest`): the table this rank publishes and the
+    /// scratch its READs of other ranks' land in.
+    digests: Option<digests::Digests>,
 }
 
 mod connect;
+mod digests;
 mod holds;
 mod loads;
 mod vllm;
@@ -242,7 +264,17 @@ impl<T: Transport> PullWorker<T> {
         cache.check()?;
         let mut registrations = register_spans(&mut transport, &cache)?;
         let (stamps, scratch) = (StampTable::new(), Scratch::new());
-        for range in [stamps.range(), scratch.range()] {
+        let digests = config
+            .digest
+            .then(|| digests::Digests::new(&cache, config.stamp_references))
+            .transpose()?;
+        let digest_ranges = digests
+            .iter()
+            .flat_map(|d| [d.table.range(), d.scratch.range()]);
+        for range in [stamps.range(), scratch.range()]
+            .into_iter()
+            .chain(digest_ranges)
+        {
             registrations.push(transport.register(MemoryKind::Host, range)?);
         }
         let mut layout = LayoutWire::from_spec(
@@ -271,6 +303,7 @@ impl<T: Transport> PullWorker<T> {
             kvxfer_lease_ms: Some(config.lease.as_millis() as u64),
             kvxfer_instance: Some(rand::random()),
             kvxfer_stamps: config.stamp_references.then(|| stamps.range().addr),
+            kvxfer_digests: digests.as_ref().map(|d| d.table.range().addr),
         };
         let instance = meta.kvxfer_instance.unwrap_or_default();
         let layout_digest = digest(&meta);
@@ -323,6 +356,7 @@ impl<T: Transport> PullWorker<T> {
             stamps,
             stamped: HashMap::new(),
             scratch,
+            digests,
         };
         worker.serve_stock_decodes();
         Ok(worker)
@@ -445,6 +479,7 @@ impl<T: Transport> PullWorker<T> {
                 self.on_handshake(outcome);
             }
             t = lap(t, "handshake outcomes");
+            self.digests_finished();
             self.poll_loads();
             t = lap(t, "loads");
             self.check_loading_peers();
@@ -489,6 +524,10 @@ impl<T: Transport> PullWorker<T> {
             return;
         }
         self.shut_down = true;
+        if let Some(d) = self.digests.as_mut() {
+            // Their jobs read the cache: they end before the worker does.
+            d.shutdown();
+        }
         for load in std::mem::take(&mut self.loads).into_values() {
             for (x, _) in load.xfers {
                 let _ = self.transport.release(x);

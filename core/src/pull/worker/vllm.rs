@@ -223,6 +223,7 @@ pub(super) fn fetched(m: AgentMetadata, tp_size: u32) -> Result<Fetched, String>
             kvxfer_lease_ms: None,
             kvxfer_instance: None,
             kvxfer_stamps: None,
+            kvxfer_digests: None,
         },
         native: Some(native),
         clock_offset: None,

@@ -1,0 +1,578 @@
+//! Content digests in the worker (see [`crate::pull::digests`]): the prefill side writes a
+//! hold's entries before its stamp; the decode side, once a load's stamps confirmed the
+//! hold, reads the entries of the blocks it read and checks its blocks against them. The
+//! digesting runs on threads of its own: a prefill's step waits for its holds' entries (the
+//! stamp goes in right after), a decode's check goes on while the engine steps.
+
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
+
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvxfer_layout::{CacheSpec, HeadSlice};
+
+use super::{Engine, Load, PullError, PullWorker};
+use crate::copy_pool::{CopyPool, Job};
+use crate::pull::config::KvCache;
+use crate::pull::digests::{DigestScratch, DigestTable};
+use crate::tally::Tally;
+use crate::transport::{MemoryKind, Op, Transport};
+
+/// A load whose blocks the digest threads check: parts still running, and the first
+/// mismatch any part found.
+#[derive(Debug)]
+pub(super) struct Verifying {
+    pub(super) parts: usize,
+    pub(super) mismatch: Option<String>,
+}
+
+/// Each KV cache group's layers as a cache side of their own: its spec and region bases.
+pub(super) type Sides = Vec<(CacheSpec, Vec<u64>)>;
+
+/// Most threads digesting for one worker: a 128k-token Llama-3-70B request (TP 8) digests
+/// in a few milliseconds on four.
+const MAX_THREADS: usize = 4;
+
+/// One part of a load's check: the first mismatch in it, if any.
+pub(super) struct Outcome {
+    req: String,
+    mismatch: Option<String>,
+}
+
+/// What a worker that digests keeps: its own cache's sides (to digest its blocks), the
+/// table it publishes (prefill side), the scratch its READs of other tables land in
+/// (decode side), and threads that digest off the engine's thread.
+pub(super) struct Digests {
+    sides: Arc<Sides>,
+    pub(super) table: Arc<DigestTable>,
+    pub(super) scratch: DigestScratch,
+    pool: Option<CopyPool>,
+    outcomes: (Sender<Outcome>, Receiver<Outcome>),
+}
+
+impl Digests {
+    /// Digests of `cache`, or why it cannot have them.
+    pub(super) fn new(cache: &KvCache, stamped: bool) -> Result<Self, PullError> {
+        let refuse = |why: &str| PullError::Config(format!("content digests: {why}"));
+        if cache.memory != MemoryKind::Host {
+            return Err(refuse(
+                "GPU memory is not digested yet (no device kernel): switch digests off, or use host memory",
+            ));
+        }
+        if !stamped {
+            return Err(refuse(
+                "they need stamped references (stamp_references), which tie the digests a decode reads to the hold that wrote them",
+            ));
+        }
+        if cache.layer_windows.is_some() {
+            return Err(refuse(
+                "per-layer attention windows (a layer reads only some of a request's blocks) are not digested yet",
+            ));
+        }
+        let sides = match &cache.groups {
+            None => vec![(cache.spec, cache.bases.clone())],
+            Some(g) => (0..g.len())
+                .map(|i| g.group_side(i, &cache.spec, &cache.bases))
+                .collect::<Result<_, _>>()?,
+        };
+        let heads = cache.spec.kv_heads();
+        let table = DigestTable::new(cache.spec.num_blocks(), heads)
+            .ok_or_else(|| refuse("the digest table does not fit in memory"))?;
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_THREADS);
+        let pool = CopyPool::new(threads, "digest")
+            .map_err(|e| refuse(&format!("no digest threads: {e}")))?;
+        Ok(Digests {
+            sides: Arc::new(sides),
+            table: Arc::new(table),
+            scratch: DigestScratch::new(),
+            pool: Some(pool),
+            outcomes: unbounded(),
+        })
+    }
+
+    /// Outcomes of finished digest jobs.
+    pub(super) fn finished(&self) -> Vec<Outcome> {
+        self.outcomes.1.try_iter().collect()
+    }
+
+    /// Digest threads.
+    fn threads(&self) -> usize {
+        self.pool.as_ref().map_or(1, CopyPool::workers)
+    }
+
+    /// Runs `job` on a digest thread, its outcome reported by [`Digests::finished`].
+    fn spawn(&self, job: impl FnOnce() -> Outcome + Send + 'static) {
+        let tx = self.outcomes.0.clone();
+        self.run(Box::new(move || {
+            let _ = tx.send(job());
+        }));
+    }
+
+    /// Runs `job` on a digest thread, or here when the threads are gone (shut down).
+    fn run(&self, job: Job) {
+        let unqueued = match &self.pool {
+            Some(p) => p.submit(job).err(),
+            None => Some(job),
+        };
+        if let Some(job) = unqueued {
+            job();
+        }
+    }
+
+    /// Prefill side: writes the entries of a hold's blocks (per group), on the digest
+    /// threads, and waits for them: the hold's stamp goes in right after, in the same engine
+    /// step (an idle engine may not step again). A block that cannot be digested is logged
+    /// and left out (its decode's check fails).
+    pub(super) fn publish(&self, req: &str, block_ids: &[Vec<u32>]) {
+        let blocks: Vec<(usize, u32)> = block_ids
+            .iter()
+            .enumerate()
+            .flat_map(|(g, b)| b.iter().map(move |&b| (g, b)))
+            .collect();
+        let per_part = blocks.len().div_ceil(self.threads()).max(1);
+        let (tx, rx) = unbounded();
+        let mut parts = 0usize;
+        for part in blocks.chunks(per_part) {
+            let (sides, table, tx) = (Arc::clone(&self.sides), Arc::clone(&self.table), tx.clone());
+            let (part, req) = (part.to_vec(), req.to_string());
+            self.run(Box::new(move || {
+                publish_part(&sides, &table, &req, &part);
+                let _ = tx.send(());
+            }));
+            parts = parts.saturating_add(1);
+        }
+        drop(tx);
+        // Each part sends once it ran; a part that panicked drops its sender.
+        for _ in rx.iter().take(parts) {}
+    }
+
+    /// Decode side: checks a load's blocks against the entries that landed, in as many
+    /// parts as there are digest threads (gives the scratch back at once); returns the
+    /// parts started, each ending in an [`Outcome::Checked`].
+    pub(super) fn check(
+        &mut self,
+        req: &str,
+        landed: Vec<Landing>,
+        state_group: impl Fn(usize) -> bool,
+    ) -> usize {
+        let mut checks = Vec::new();
+        for l in &landed {
+            for (i, &(g, block)) in l.blocks.iter().enumerate() {
+                // A state group moves each rank's page whole: one "head".
+                let (src, dst, n) = if state_group(g) {
+                    (0, 0, 1)
+                } else {
+                    (l.slice.src_first, l.slice.dst_first, l.slice.count)
+                };
+                let entry = (i as u32)
+                    .saturating_mul(l.heads)
+                    .saturating_add(l.start)
+                    .saturating_add(src);
+                let expected = (0..n)
+                    .map(|k| self.scratch.read(entry.saturating_add(k)))
+                    .collect();
+                checks.push(Check {
+                    rank: l.rank,
+                    group: g,
+                    block,
+                    first: dst,
+                    expected,
+                });
+            }
+        }
+        for l in &landed {
+            self.scratch.give_back(l.start, l.len);
+        }
+        let per_part = checks.len().div_ceil(self.threads()).max(1);
+        let mut parts = 0usize;
+        while !checks.is_empty() {
+            let rest = checks.split_off(per_part.min(checks.len()));
+            let part = std::mem::replace(&mut checks, rest);
+            let (sides, req) = (Arc::clone(&self.sides), req.to_string());
+            self.spawn(move || Outcome {
+                mismatch: check_part(&sides, &part),
+                req,
+            });
+            parts = parts.saturating_add(1);
+        }
+        parts
+    }
+
+    /// Stops the digest threads once their queued jobs ran.
+    pub(super) fn shutdown(&mut self) {
+        self.pool.take();
+    }
+}
+
+/// Writes the entries of `blocks` ((group, block id)) into `table`.
+fn publish_part(sides: &Sides, table: &DigestTable, req: &str, blocks: &[(usize, u32)]) {
+    let mut out = vec![0u64; table.heads() as usize];
+    for &(g, b) in blocks {
+        let heads = if sides.get(g).is_some_and(|(s, _)| s.kv_heads() == 1) {
+            1
+        } else {
+            out.len()
+        };
+        let written =
+            digest_block(sides, g, b, 0, &mut out[..heads]).map(|()| table.set(b, &out[..heads]));
+        if !matches!(written, Ok(true)) {
+            tracing::warn!(req = %req, group = g, block = b, "block not digested: {written:?}");
+        }
+    }
+}
+
+/// One block's expected digests: the heads from `first` of the decode's `block`.
+struct Check {
+    rank: u32,
+    group: usize,
+    block: u32,
+    first: u32,
+    expected: Vec<u64>,
+}
+
+/// The first block of `checks` whose digests differ from those expected.
+fn check_part(sides: &Sides, checks: &[Check]) -> Option<String> {
+    let mut mine = Vec::new();
+    for c in checks {
+        mine.clear();
+        mine.resize(c.expected.len(), 0);
+        if let Err(e) = digest_block(sides, c.group, c.block, c.first, &mut mine) {
+            return Some(format!("digesting block {}: {e}", c.block));
+        }
+        if let Some(k) = mine.iter().zip(&c.expected).position(|(a, b)| a != b) {
+            return Some(format!(
+                "content digest mismatch: block {} (KV cache group {}, head {}) from prefill rank {}: the bytes received are not the ones the prefill published",
+                c.block,
+                c.group,
+                c.first.saturating_add(k as u32),
+                c.rank
+            ));
+        }
+    }
+    None
+}
+
+/// Digests heads from `first` of `block` of group `group` of this rank's cache.
+fn digest_block(
+    sides: &Sides,
+    group: usize,
+    block: u32,
+    first: u32,
+    out: &mut [u64],
+) -> Result<(), String> {
+    let (spec, bases) = sides
+        .get(group)
+        .ok_or_else(|| format!("no KV cache group {group}"))?;
+    // SAFETY: `bases` are the regions of this rank's cache, which its worker registered and
+    // the engine keeps for the worker's life (the digest threads end with the worker);
+    // `block_heads` reads inside them only.
+    unsafe { crate::digest::block_heads(spec, bases, block, first, out) }.map_err(|e| e.to_string())
+}
+
+/// The entries of one prefill rank a load reads: where they landed and which blocks they
+/// describe.
+#[derive(Debug)]
+pub(super) struct Landing {
+    /// The prefill rank, and the heads its link moved.
+    rank: u32,
+    slice: HeadSlice,
+    /// Digests per entry (the prefill rank's heads).
+    heads: u32,
+    /// The scratch run the entries landed in.
+    start: u32,
+    len: u32,
+    /// (group, local block) of each entry, in order.
+    blocks: Vec<(usize, u32)>,
+}
+
+impl<T: Transport> PullWorker<T> {
+    /// Posts the READs of the digest entries of every block a load read, one per prefill
+    /// rank its stamps confirmed; false (nothing posted) while the scratch is short.
+    pub(super) fn post_digest_reads(&mut self, load: &mut Load) -> Result<bool, String> {
+        let Some(d) = self.digests.as_mut() else {
+            return Err("content digests are off".into());
+        };
+        let pairs = load.req.pairs(self.cache.group_count())?;
+        let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+            return Err(format!("engine {} is not connected", load.req.engine_id));
+        };
+        let mut landings: Vec<Landing> = Vec::new();
+        let give_back = |d: &mut Digests, l: &[Landing]| {
+            for x in l {
+                d.scratch.give_back(x.start, x.len);
+            }
+        };
+        let mut posts = Vec::new();
+        for v in &load.confirmed {
+            let Some(r) = ranks.get(&v.rank) else {
+                give_back(d, &landings);
+                return Err(format!("prefill rank {} was not connected", v.rank));
+            };
+            let Some(base) = r.digests else {
+                give_back(d, &landings);
+                return Err(format!(
+                    "prefill rank {} publishes no content digests (switch them on there too)",
+                    v.rank
+                ));
+            };
+            let heads = r.spec.kv_heads();
+            let mut blocks = Vec::new();
+            let (mut locals, mut remotes) = (Vec::new(), Vec::new());
+            for (g, (remote, local)) in pairs.iter().enumerate() {
+                for (&rb, &lb) in remote.iter().zip(local.iter()) {
+                    blocks.push((g, lb));
+                    remotes.push(DigestTable::entry_range(base, heads, rb));
+                }
+            }
+            let len = u32::try_from(blocks.len())
+                .ok()
+                .and_then(|n| n.checked_mul(heads))
+                .filter(|&n| n <= d.scratch.capacity())
+                .ok_or_else(|| {
+                    format!(
+                        "{} blocks of {heads} heads exceed the digest scratch",
+                        blocks.len()
+                    )
+                });
+            let len = match len {
+                Ok(0) => continue, // nothing read from this rank: nothing to check
+                Ok(n) => n,
+                Err(e) => {
+                    give_back(d, &landings);
+                    return Err(e);
+                }
+            };
+            let Some(start) = d.scratch.take(len) else {
+                give_back(d, &landings);
+                return Ok(false);
+            };
+            for i in 0..blocks.len() as u32 {
+                let at = i.saturating_mul(heads).saturating_add(start);
+                locals.push(d.scratch.entry_range(at, heads));
+            }
+            let remotes: Option<Vec<_>> = remotes.into_iter().collect();
+            landings.push(Landing {
+                rank: v.rank,
+                slice: v.slice,
+                heads,
+                start,
+                len,
+                blocks,
+            });
+            let Some(remotes) = remotes else {
+                give_back(d, &landings);
+                return Err(format!("prefill rank {}'s digest table overflows", v.rank));
+            };
+            posts.push((r.peer, locals, remotes));
+        }
+        let now = self.clock.now();
+        let host = (MemoryKind::Host, MemoryKind::Host);
+        for (i, (peer, locals, remotes)) in posts.iter().enumerate() {
+            match self
+                .transport
+                .post(Op::Read, *peer, host, locals, remotes, None)
+            {
+                Ok(x) => load.xfers.push((x, now)),
+                Err(e) => {
+                    // READs posted before this one may still land: their runs stay lent
+                    // until the load's transfers ended.
+                    let (posted, unposted) = landings.split_at(i);
+                    give_back(d, unposted);
+                    load.digesting = Some(posted.iter().map(Landing::clone_runs).collect());
+                    return Err(format!(
+                        "reading prefill rank {}'s digests: {e}",
+                        landings[i].rank
+                    ));
+                }
+            }
+        }
+        load.digesting = Some(landings);
+        Ok(true)
+    }
+
+    /// Starts checking the blocks a load received against the digest entries that landed
+    /// (the scratch goes back at once): the load waits for its parts' outcomes.
+    pub(super) fn start_check(&mut self, load: &mut Load, landed: Vec<Landing>) {
+        let Some(d) = self.digests.as_mut() else {
+            return;
+        };
+        let groups = self.cache.groups.as_ref();
+        let parts = d.check(&load.req.req_id, landed, |g| {
+            groups.is_some_and(|x| x.is_state(g))
+        });
+        load.verifying = Some(Verifying {
+            parts,
+            mismatch: None,
+        });
+    }
+
+    /// Takes the digest threads' outcomes: each ended part of a load's check is counted,
+    /// keeping its first mismatch.
+    pub(super) fn digests_finished(&mut self) {
+        let Some(d) = self.digests.as_ref() else {
+            return;
+        };
+        for Outcome { req, mismatch } in d.finished() {
+            let Some(v) = self.loads.get_mut(&req).and_then(|l| l.verifying.as_mut()) else {
+                continue;
+            };
+            v.parts = v.parts.saturating_sub(1);
+            if v.mismatch.is_none() {
+                v.mismatch = mismatch;
+            }
+        }
+    }
+
+    /// A load's check ended: its outcome, counted.
+    pub(super) fn checked(&mut self, load: &Load, mismatch: Option<String>) -> Option<String> {
+        match &mismatch {
+            Some(why) => {
+                self.metrics.digest_mismatches.tally(1);
+                tracing::warn!(req = %load.req.req_id, engine = %load.req.engine_id, "{why}: the load fails");
+            }
+            None => self.metrics.verified_digests.tally(1),
+        }
+        mismatch
+    }
+
+    /// Gives back the scratch of digest READs that never got checked (a failed load),
+    /// once its transfers ended.
+    pub(super) fn drop_digests(&mut self, landed: Vec<Landing>) {
+        if let Some(d) = self.digests.as_mut() {
+            for l in landed {
+                d.scratch.give_back(l.start, l.len);
+            }
+        }
+    }
+
+    /// Entries of the digest scratch lent to loads (tests: none once loads ended).
+    pub fn digest_reads_in_flight(&self) -> u32 {
+        self.digests
+            .as_ref()
+            .map_or(0, |d| d.scratch.capacity().saturating_sub(d.scratch.free()))
+    }
+}
+
+impl Landing {
+    fn clone_runs(&self) -> Landing {
+        Landing {
+            rank: self.rank,
+            slice: self.slice,
+            heads: self.heads,
+            start: self.start,
+            len: self.len,
+            blocks: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, Dtype};
+
+    fn cache(memory: MemoryKind, windows: bool) -> (KvCache, Vec<u8>) {
+        let spec = CacheSpec::new(CacheParams {
+            kind: CacheKind::SplitKv,
+            order: BlockOrder::Hnd,
+            dtype: Dtype::F16,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            tokens_per_block: 2,
+            num_blocks: 3,
+        })
+        .expect("spec");
+        let mem = vec![7u8; spec.total_bytes() as usize];
+        let at = mem.as_ptr() as u64;
+        let bases = (0..u64::from(spec.num_regions()))
+            .map(|r| at + r * spec.region_len())
+            .collect();
+        let kv = KvCache {
+            spec,
+            bases,
+            memory,
+            total_kv_heads: 2,
+            total_layers: 2,
+            first_layer: 0,
+            layer_windows: windows.then(|| vec![Some(1), None]),
+            groups: None,
+        };
+        (kv, mem)
+    }
+
+    fn refusal(kv: &KvCache, stamped: bool) -> String {
+        match Digests::new(kv, stamped) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn gpu_memory_unstamped_references_and_layer_windows_are_refused() {
+        let (gpu, _m) = cache(MemoryKind::Gpu { device: 0 }, false);
+        assert!(refusal(&gpu, true).contains("GPU memory"));
+        let (host, _m) = cache(MemoryKind::Host, false);
+        assert!(refusal(&host, false).contains("stamped references"));
+        let (windows, _m) = cache(MemoryKind::Host, true);
+        assert!(refusal(&windows, true).contains("attention windows"));
+        assert_eq!(refusal(&host, true), "");
+    }
+
+    #[test]
+    fn a_published_hold_writes_every_heads_entry_in_parts_and_checks_find_changes() {
+        let (kv, mut mem) = cache(MemoryKind::Host, false);
+        let mut d = Digests::new(&kv, true).expect("digests");
+        // Three blocks over the threads: every entry written, all alike (same bytes).
+        d.publish("r", &[vec![0, 1, 2]]);
+        let e0 = d.table.read(0);
+        assert!(e0.iter().all(|&x| x != 0), "{e0:?}");
+        assert_eq!(d.table.read(2), e0);
+        // A check of blocks whose bytes still match, then of one changed since.
+        let landed = |d: &mut Digests| {
+            let start = d.scratch.take(4).expect("scratch");
+            for (i, w) in [0u32, 1].iter().enumerate() {
+                for (k, &v) in d.table.read(*w).iter().enumerate() {
+                    d.scratch.words()[start as usize + i * 2 + k]
+                        .store(v.to_le(), std::sync::atomic::Ordering::Release);
+                }
+            }
+            vec![Landing {
+                rank: 0,
+                slice: HeadSlice {
+                    src_first: 0,
+                    dst_first: 0,
+                    count: 2,
+                },
+                heads: 2,
+                start,
+                len: 4,
+                blocks: vec![(0, 0), (0, 1)],
+            }]
+        };
+        let outcomes = |d: &mut Digests, parts: usize| {
+            let mut got = Vec::new();
+            while got.len() < parts {
+                got.extend(d.finished().into_iter().map(|o| o.mismatch));
+            }
+            got
+        };
+        let l = landed(&mut d);
+        let parts = d.check("a", l, |_| false);
+        assert!(outcomes(&mut d, parts).iter().all(Option::is_none));
+        mem[1] ^= 1; // block 0, layer 0, K, head 0
+        let l = landed(&mut d);
+        let parts = d.check("b", l, |_| false);
+        let found: Vec<String> = outcomes(&mut d, parts).into_iter().flatten().collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].contains("block 0") && found[0].contains("head 0"),
+            "{}",
+            found[0]
+        );
+        assert_eq!(d.scratch.free(), d.scratch.capacity(), "scratch given back");
+        d.shutdown();
+    }
+}
