@@ -256,10 +256,13 @@ mod tests {
         assert_eq!(s.free(), 10);
         let all = s.take(10).unwrap();
         assert_eq!(all, 0);
+        assert!(s.free.is_empty(), "no empty run left behind: {:?}", s.free);
         assert_eq!(s.read(5), 0, "lent zeroed");
         let r = s.entry_range(2, 3);
         assert_eq!((r.addr, r.len), (s.range().addr + 16, 24));
         s.give_back(0, 10);
         assert_eq!(s.free.len(), 1);
+        // An empty scratch has no run at all.
+        assert!(DigestScratch::with_capacity(0).free.is_empty());
     }
 }
