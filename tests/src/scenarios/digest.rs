@@ -6,6 +6,7 @@
 //! transport.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::Transport;
 use kvxfer_core::pull::{PullConfig, PullWorker};
@@ -149,13 +150,39 @@ pub fn a_corrupted_read_and_a_changed_source_fail_their_loads<F: TransportFactor
 
     let d = pre.finish_prefill("d", &[4]);
     dec.start_load("d", &d, &[8], 4);
-    loaded(&mut dec, &mut pre, "d");
+    // Polled one step at a time: the step that posts the digest READ leaves its landing
+    // lent (one block of 4 heads) until a later step starts the check.
+    let (mut lent, mut done, mut freed) = (0, false, false);
+    let start = Instant::now();
+    while !(done && freed) {
+        let f = dec.poll();
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        done |= f[0].recving.iter().any(|r| r == "d");
+        lent = lent.max(dec.workers[0].digest_reads_in_flight());
+        freed |= pre.poll()[0].sending.iter().any(|r| r == "d");
+        assert!(start.elapsed() < Duration::from_secs(60), "d not loaded");
+    }
+    assert_eq!(lent, 4, "entries lent to the digest READ");
     // The failed loads' blocks were reported invalid; nothing else was written.
     dec.caches[0]
         .verify_except(&[(4, 8)], &[5, 6, 7])
         .expect("bytes");
     assert_eq!(dec.workers[0].take_metrics().verified_digests, 1);
     assert_eq!(dec.workers[0].digest_reads_in_flight(), 0);
+
+    // The digest READ itself fails (the third post: data, stamp, digests): the load fails
+    // once it ended, and its landing goes back.
+    let e = pre.finish_prefill("e", &[5]);
+    dec.workers[0].transport().faults().fail_after(2, 1, false);
+    dec.start_load("e", &e, &[9], 4);
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![9]);
+    assert!(
+        failed[0].reason.contains("transfer failed"),
+        "{}",
+        failed[0].reason
+    );
+    assert_eq!(dec.workers[0].digest_reads_in_flight(), 0, "landing kept");
 }
 
 /// A decode with digests refuses a prefill that publishes none, before any READ; a worker
