@@ -154,7 +154,7 @@ stage "real vLLM: prefill and decode with KvxferConnector" \
 stage "real SGLang: prefill, decode, router (kvxfer backend)" \
     "$spy" -m pytest -q -p no:cacheprovider -rs --durations=10 python/tests_sglang
 
-stage "fuzzing: 5 s per target" scripts/fuzz.sh 5
+stage "fuzzing: 3 s per target" scripts/fuzz.sh 3
 prune "$root/fuzz/target"
 
 # Benchmark scripts, smoke mode (few iterations; figures printed, nothing asserted on time).
