@@ -573,6 +573,19 @@ mod tests {
             found[0]
         );
         assert_eq!(d.scratch.free(), d.scratch.capacity(), "scratch given back");
+        // Shutting down waits for the checks still queued: they read the cache, which the
+        // engine may free once the worker shut down.
+        let mut many = landed(&mut d);
+        d.scratch.give_back(many[0].start, many[0].len);
+        many[0].blocks = [(0, 0), (0, 1)].repeat(100_000);
+        many[0].len = 400_000;
+        many[0].start = d.scratch.take(many[0].len).expect("scratch");
+        let parts = d.check("many", many, |_| false);
         d.shutdown();
+        assert_eq!(
+            d.finished().len(),
+            parts,
+            "checks left running after shutdown"
+        );
     }
 }
