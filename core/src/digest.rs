@@ -18,9 +18,6 @@
 
 use kvxfer_layout::{CacheSpec, LayoutError};
 
-/// The hash, as logs and handshakes name it.
-pub const ALGORITHM: &str = "xxh3-64";
-
 /// The digest of one run of bytes (what a block-head digest folds its runs into; the
 /// bench's baseline).
 pub fn of(bytes: &[u8]) -> u64 {

@@ -100,10 +100,16 @@ impl FaultSwitch {
 
     /// Consumes one READ's share of the armed corruption: whether it is corrupted.
     fn take_corruption(&self) -> bool {
+        self.take_one(|a| &mut a.corrupt)
+    }
+
+    /// Counts one use off the counter `pick` chooses: whether it was armed.
+    fn take_one(&self, pick: fn(&mut Armed) -> &mut usize) -> bool {
         let mut a = self.armed();
-        let corrupt = a.corrupt > 0;
-        a.corrupt = a.corrupt.saturating_sub(1);
-        corrupt
+        let n = pick(&mut a);
+        let armed = *n > 0;
+        *n = n.saturating_sub(1);
+        armed
     }
 
     /// The next `n` notifications sent through the transport fail without being sent.
@@ -113,10 +119,7 @@ impl FaultSwitch {
 
     /// Consumes one notification's share of what is armed: whether it fails.
     fn take_notification(&self) -> bool {
-        let mut a = self.armed();
-        let fail = a.unsent > 0;
-        a.unsent = a.unsent.saturating_sub(1);
-        fail
+        self.take_one(|a| &mut a.unsent)
     }
 
     /// Consumes one post's share of what is armed.

@@ -13,6 +13,7 @@ use kvxfer_core::pull::{PullConfig, PullWorker};
 use kvxfer_layout::{BlockOrder, Part};
 
 use super::pull::{clock, first_failure, mk, no_tune};
+use super::stamped::refused;
 use crate::conformance::TransportFactory;
 use crate::faulty::Faulty;
 use crate::pull_env::{Engine, Model, RankCache, engine, poll_until};
@@ -112,14 +113,11 @@ pub fn a_corrupted_read_and_a_changed_source_fail_their_loads<F: TransportFactor
 
     let a = pre.finish_prefill("a", &[1, 2]);
     dec.workers[0].transport().faults().corrupt_next_reads(1);
-    dec.start_load("a", &a, &[5, 6], 8);
-    let failed = first_failure(&mut dec);
-    assert_eq!(failed.len(), 1, "{failed:?}");
-    assert_eq!(failed[0].invalid_blocks, vec![5, 6]);
+    let failed = refused(&mut dec, "a", &a, &[5, 6]);
     assert!(
-        failed[0].reason.contains("digest mismatch"),
+        failed.reason.contains("digest mismatch"),
         "{}",
-        failed[0].reason
+        failed.reason
     );
 
     let b = pre.finish_prefill("b", &[3]);
@@ -130,11 +128,8 @@ pub fn a_corrupted_read_and_a_changed_source_fail_their_loads<F: TransportFactor
         .expect("range");
     let at = u64::from(region) * pre.caches[0].spec.region_len() + range.offset;
     pre.caches[0].mem[at as usize] ^= 0x80;
-    dec.start_load("b", &b, &[7], 4);
-    let failed = first_failure(&mut dec);
-    assert_eq!(failed.len(), 1, "{failed:?}");
-    assert_eq!(failed[0].invalid_blocks, vec![7]);
-    assert!(failed[0].reason.contains("head 3"), "{}", failed[0].reason);
+    let failed = refused(&mut dec, "b", &b, &[7]);
+    assert!(failed.reason.contains("head 3"), "{}", failed.reason);
     pre.caches[0].mem[at as usize] ^= 0x80;
 
     let m = dec.workers[0].take_metrics();

@@ -61,7 +61,7 @@ fn awaiting_hold<T: Transport>(dec: &mut Engine<T>) {
 }
 
 /// The one failure of loading `params` as `req` into `local`.
-fn refused<T: Transport>(
+pub(super) fn refused<T: Transport>(
     dec: &mut Engine<T>,
     req: &str,
     params: &kvxfer_core::wire::params::KvTransferParams,

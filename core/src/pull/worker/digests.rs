@@ -11,11 +11,15 @@ use std::sync::Arc;
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::{CacheSpec, HeadSlice};
 
-use super::{Engine, Load, PullError, PullWorker};
+use std::collections::HashMap;
+
+use super::{Engine, Load, PullError, PullWorker, RemoteRank, Verify};
 use crate::copy_pool::{CopyPool, Job};
 use crate::pull::config::KvCache;
 use crate::pull::digests::{DigestScratch, DigestTable};
+use crate::pull::scheduler::GroupPairs;
 use crate::tally::Tally;
+use crate::transport::AddrRange;
 use crate::transport::{MemoryKind, Op, Transport};
 
 /// A load whose blocks the digest threads check: parts still running, and the first
@@ -210,11 +214,11 @@ impl Digests {
 fn publish_part(sides: &Sides, table: &DigestTable, req: &str, blocks: &[(usize, u32)]) {
     let mut out = vec![0u64; table.heads() as usize];
     for &(g, b) in blocks {
-        let heads = if sides.get(g).is_some_and(|(s, _)| s.kv_heads() == 1) {
-            1
-        } else {
-            out.len()
-        };
+        // A state group's page is one "head"; an attention group's heads are the table's.
+        let heads = sides
+            .get(g)
+            .map_or(out.len(), |(s, _)| s.kv_heads() as usize)
+            .min(out.len());
         let written =
             digest_block(sides, g, b, 0, &mut out[..heads]).map(|()| table.set(b, &out[..heads]));
         if !matches!(written, Ok(true)) {
@@ -298,93 +302,36 @@ impl<T: Transport> PullWorker<T> {
         let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
             return Err(format!("engine {} is not connected", load.req.engine_id));
         };
-        let mut landings: Vec<Landing> = Vec::new();
-        let give_back = |d: &mut Digests, l: &[Landing]| {
-            for x in l {
-                d.scratch.give_back(x.start, x.len);
+        let mut reads = Vec::new();
+        let planned = plan_digest_reads(d, ranks, &load.confirmed, &pairs, &mut reads);
+        if !matches!(planned, Ok(true)) {
+            for (l, ..) in &reads {
+                d.scratch.give_back(l.start, l.len);
             }
-        };
-        let mut posts = Vec::new();
-        for v in &load.confirmed {
-            let Some(r) = ranks.get(&v.rank) else {
-                give_back(d, &landings);
-                return Err(format!("prefill rank {} was not connected", v.rank));
-            };
-            let Some(base) = r.digests else {
-                give_back(d, &landings);
-                return Err(format!(
-                    "prefill rank {} publishes no content digests (switch them on there too)",
-                    v.rank
-                ));
-            };
-            let heads = r.spec.kv_heads();
-            let mut blocks = Vec::new();
-            let (mut locals, mut remotes) = (Vec::new(), Vec::new());
-            for (g, (remote, local)) in pairs.iter().enumerate() {
-                for (&rb, &lb) in remote.iter().zip(local.iter()) {
-                    blocks.push((g, lb));
-                    remotes.push(DigestTable::entry_range(base, heads, rb));
-                }
-            }
-            let len = u32::try_from(blocks.len())
-                .ok()
-                .and_then(|n| n.checked_mul(heads))
-                .filter(|&n| n <= d.scratch.capacity())
-                .ok_or_else(|| {
-                    format!(
-                        "{} blocks of {heads} heads exceed the digest scratch",
-                        blocks.len()
-                    )
-                });
-            let len = match len {
-                Ok(0) => continue, // nothing read from this rank: nothing to check
-                Ok(n) => n,
-                Err(e) => {
-                    give_back(d, &landings);
-                    return Err(e);
-                }
-            };
-            let Some(start) = d.scratch.take(len) else {
-                give_back(d, &landings);
-                return Ok(false);
-            };
-            for i in 0..blocks.len() as u32 {
-                let at = i.saturating_mul(heads).saturating_add(start);
-                locals.push(d.scratch.entry_range(at, heads));
-            }
-            let remotes: Option<Vec<_>> = remotes.into_iter().collect();
-            landings.push(Landing {
-                rank: v.rank,
-                slice: v.slice,
-                heads,
-                start,
-                len,
-                blocks,
-            });
-            let Some(remotes) = remotes else {
-                give_back(d, &landings);
-                return Err(format!("prefill rank {}'s digest table overflows", v.rank));
-            };
-            posts.push((r.peer, locals, remotes));
+            return planned;
         }
         let now = self.clock.now();
         let host = (MemoryKind::Host, MemoryKind::Host);
-        for (i, (peer, locals, remotes)) in posts.iter().enumerate() {
+        let mut landings = Vec::with_capacity(reads.len());
+        let mut reads = reads.into_iter();
+        for (landing, peer, locals, remotes) in reads.by_ref() {
             match self
                 .transport
-                .post(Op::Read, *peer, host, locals, remotes, None)
+                .post(Op::Read, peer, host, &locals, &remotes, None)
             {
-                Ok(x) => load.xfers.push((x, now)),
+                Ok(x) => {
+                    load.xfers.push((x, now));
+                    landings.push(landing);
+                }
                 Err(e) => {
                     // READs posted before this one may still land: their runs stay lent
-                    // until the load's transfers ended.
-                    let (posted, unposted) = landings.split_at(i);
-                    give_back(d, unposted);
-                    load.digesting = Some(posted.iter().map(Landing::clone_runs).collect());
-                    return Err(format!(
-                        "reading prefill rank {}'s digests: {e}",
-                        landings[i].rank
-                    ));
+                    // until the load's transfers ended; this one's and the rest's go back.
+                    let rank = landing.rank;
+                    for (l, ..) in std::iter::once((landing, peer, locals, remotes)).chain(reads) {
+                        d.scratch.give_back(l.start, l.len);
+                    }
+                    load.digesting = Some(landings);
+                    return Err(format!("reading prefill rank {rank}'s digests: {e}"));
                 }
             }
         }
@@ -455,17 +402,78 @@ impl<T: Transport> PullWorker<T> {
     }
 }
 
-impl Landing {
-    fn clone_runs(&self) -> Landing {
-        Landing {
-            rank: self.rank,
-            slice: self.slice,
-            heads: self.heads,
-            start: self.start,
-            len: self.len,
-            blocks: Vec::new(),
+/// One prefill rank's digest READ: where its entries land, and the ranges to read.
+type DigestRead = (
+    Landing,
+    crate::transport::PeerId,
+    Vec<AddrRange>,
+    Vec<AddrRange>,
+);
+
+/// Plans the digest READs of a load's confirmed ranks into `reads`, each with its scratch
+/// run taken; false while the scratch is short. The caller gives back the runs of `reads`
+/// unless this returns `Ok(true)`.
+fn plan_digest_reads(
+    d: &mut Digests,
+    ranks: &HashMap<u32, RemoteRank>,
+    confirmed: &[Verify],
+    pairs: &[GroupPairs<'_>],
+    reads: &mut Vec<DigestRead>,
+) -> Result<bool, String> {
+    for v in confirmed {
+        let r = ranks
+            .get(&v.rank)
+            .ok_or_else(|| format!("prefill rank {} was not connected", v.rank))?;
+        let base = r.digests.ok_or_else(|| {
+            format!(
+                "prefill rank {} publishes no content digests (switch them on there too)",
+                v.rank
+            )
+        })?;
+        let heads = r.spec.kv_heads();
+        let mut blocks = Vec::new();
+        let mut remotes = Vec::new();
+        for (g, (remote, local)) in pairs.iter().enumerate() {
+            for (&rb, &lb) in remote.iter().zip(local.iter()) {
+                blocks.push((g, lb));
+                let entry = DigestTable::entry_range(base, heads, rb)
+                    .ok_or_else(|| format!("prefill rank {}'s digest table overflows", v.rank))?;
+                remotes.push(entry);
+            }
         }
+        let len = u32::try_from(blocks.len())
+            .ok()
+            .and_then(|n| n.checked_mul(heads))
+            .filter(|&n| n <= d.scratch.capacity())
+            .ok_or_else(|| {
+                format!(
+                    "{} blocks of {heads} heads exceed the digest scratch",
+                    blocks.len()
+                )
+            })?;
+        if len == 0 {
+            continue; // nothing read from this rank: nothing to check
+        }
+        let Some(start) = d.scratch.take(len) else {
+            return Ok(false);
+        };
+        let locals = (0..blocks.len() as u32)
+            .map(|i| {
+                d.scratch
+                    .entry_range(i.saturating_mul(heads).saturating_add(start), heads)
+            })
+            .collect();
+        let landing = Landing {
+            rank: v.rank,
+            slice: v.slice,
+            heads,
+            start,
+            len,
+            blocks,
+        };
+        reads.push((landing, r.peer, locals, remotes));
     }
+    Ok(true)
 }
 
 #[cfg(test)]
