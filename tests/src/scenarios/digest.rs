@@ -178,6 +178,17 @@ pub fn a_corrupted_read_and_a_changed_source_fail_their_loads<F: TransportFactor
         failed[0].reason
     );
     assert_eq!(dec.workers[0].digest_reads_in_flight(), 0, "landing kept");
+
+    // The digest READ's post is refused: the load fails at once, its landing given back.
+    let g = pre.finish_prefill("g", &[6]);
+    dec.workers[0].transport().faults().fail_after(2, 1, true);
+    let failed = refused(&mut dec, "g", &g, &[10]);
+    assert!(
+        failed.reason.contains("reading prefill rank 0's digests"),
+        "{}",
+        failed.reason
+    );
+    assert_eq!(dec.workers[0].digest_reads_in_flight(), 0, "landing kept");
 }
 
 /// A decode with digests refuses a prefill that publishes none, before any READ; a worker
