@@ -77,12 +77,17 @@ if ! "$py" -c 'import pytest, safetensors' 2>/dev/null; then
     pip install -q 'pytest>=8' safetensors
 fi
 
-say "kvxfer wheel from this checkout"
-"$root/scripts/python-venv.sh" >/dev/null
-rm -rf "$root/target/wheels"
-(cd "$root/python" && PATH="$root/.venv-py/bin:$PATH" CARGO_TARGET_DIR="$root/target" \
-    maturin build --release -q -o "$root/target/wheels" >&2)
-pip install -q --no-deps --force-reinstall "$root"/target/wheels/kvxfer-*.whl
+# KVXFER_WHEEL: a wheel already built (the test command's set-up builds one for every venv),
+# or "none" to leave kvxfer out for now (installed by a later run).
+case "${KVXFER_WHEEL:-}" in
+    none) ;;
+    "")
+        say "kvxfer wheel from this checkout"
+        "$root/scripts/python-venv.sh" >/dev/null
+        pip install -q --no-deps --force-reinstall "$root"/target/wheels/kvxfer-*.whl
+        ;;
+    *) pip install -q --no-deps --force-reinstall "$KVXFER_WHEEL" ;;
+esac
 
 models="$venv/models"
 if [ ! -f "$models/tiny-llama/model.safetensors" ]; then

