@@ -6,7 +6,9 @@
 //! success exactly when a model of "every chunk 0..=last of every writer, the aux note of the
 //! lead writer of the last stage, the state of every stage" says so. Drained (the pages may
 //! be handed out) exactly when the room succeeded, its prefill was declared dead, or the
-//! bootstrap ended and every rank it reached acknowledged with an abort note.
+//! bootstrap ended and every rank it reached acknowledged with an abort note. With content
+//! digests, a complete room fails when a writer's last note carried no fold, and otherwise
+//! hands out its check once and succeeds exactly when that check passes.
 #![no_main]
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -70,6 +72,8 @@ struct Model {
     chunks: HashMap<(String, u32), (HashSet<u32>, Option<u32>)>,
     aux: HashSet<String>,
     states: HashSet<(String, u32)>,
+    /// Writers whose last note carried a content-digest fold.
+    folds: HashSet<(String, u32)>,
 }
 
 /// The room's needs where every prefill rank writes into the one decode rank.
@@ -95,6 +99,10 @@ impl Model {
                 .any(|w| w.1 == pp && self.states.contains(w))
         });
         kv && aux && states
+    }
+
+    fn folded(&self, n: &Needs) -> bool {
+        n.writers.iter().all(|w| self.folds.contains(w))
     }
 }
 
@@ -140,6 +148,12 @@ fuzz_target!(|data: &[u8]| {
     };
     let pages = if dummy { Vec::new() } else { vec![1, 2] };
     let mut room = DecodeRoom::new(("127.0.0.1".into(), 1), Duration::ZERO, pages, aux, state);
+    // Content digests (a room without pages has none to check).
+    let digest = c & 0x04 != 0 && !dummy;
+    if c & 0x04 != 0 {
+        room.check_digests();
+    }
+    let mut checks_taken = 0u32;
     let mut model = Model::default();
     let mut bootstrapped = false;
     let mut now = Duration::ZERO;
@@ -167,6 +181,20 @@ fuzz_target!(|data: &[u8]| {
             if let Some(f) = last_final {
                 assert_eq!(room.status(), f, "a final status changed");
             }
+            // The check is handed out once, to a live room; its outcome decides.
+            let mut passed = None;
+            if let Some(checks) = room.take_check() {
+                assert!(digest, "a check without digests");
+                assert!(!was_final && !room.status().is_final(), "a final room checked");
+                checks_taken += 1;
+                assert_eq!(checks_taken, 1, "a check handed out twice");
+                if simple {
+                    assert_eq!(checks.len(), needs.writers.len(), "one share per writer");
+                }
+                let ok = op.unwrap_or(0) & 0x08 == 0;
+                room.checked(if ok { Ok(()) } else { Err("mismatch".into()) });
+                passed = Some(ok);
+            }
             if room.status() == RoomStatus::Success {
                 assert!(bootstrapped, "success before the bootstrap");
             }
@@ -175,11 +203,16 @@ fuzz_target!(|data: &[u8]| {
                     missing.is_none() || dummy,
                     "a missing writer did not fail the room"
                 );
+                let complete = model.complete(&needs);
                 assert_eq!(
                     room.status() == RoomStatus::Success,
-                    model.complete(&needs),
+                    complete && (!digest || passed == Some(true)),
                     "success disagrees with the model after {ops} operations"
                 );
+                if digest && complete {
+                    assert!(model.folded(&needs), "complete without every fold yet live");
+                    assert!(passed.is_some(), "complete and folded, but never checked");
+                }
             }
             if room.status().is_final() {
                 last_final = Some(room.status());
@@ -201,11 +234,13 @@ fuzz_target!(|data: &[u8]| {
         let note = match op & 7 {
             0 | 1 => {
                 let Some(chunk) = inp.u32() else { continue };
+                let is_last = op & 1 == 1;
                 PushNote::Kv {
                     room: 7,
                     chunk,
-                    is_last: op & 1 == 1,
+                    is_last,
                     pp_rank,
+                    digest: (is_last && op & 0x10 != 0).then_some(u64::from(op)),
                 }
             }
             2 => PushNote::Aux { room: 7 },
@@ -253,8 +288,12 @@ fuzz_target!(|data: &[u8]| {
                     chunk,
                     is_last,
                     pp_rank,
+                    digest,
                     ..
                 } => {
+                    if digest.is_some() {
+                        model.folds.insert((from.clone(), pp_rank));
+                    }
                     let e = model.chunks.entry((from, pp_rank)).or_default();
                     e.0.insert(chunk);
                     if is_last {

@@ -68,6 +68,7 @@ fuzz_target!(|data: &[u8]| {
                         pages: (0..pages as u32).collect(),
                         aux_index: None,
                         state_indices: Vec::new(),
+                        digest: arg & 0x40 != 0,
                     },
                     problem.clone(),
                     required,

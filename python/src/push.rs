@@ -356,6 +356,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PushMetrics) -> PyResult<Bound<'py, Py
     d.set_item("descriptors_posted", m.descriptors_posted)?;
     d.set_item("post_time", m.post_time.as_secs_f64())?;
     d.set_item("plan_time", m.plan_time.as_secs_f64())?;
+    d.set_item("digest_time", m.digest_time.as_secs_f64())?;
     d.set_item("failed_rooms", m.failed_rooms)?;
     d.set_item("registrations", m.registrations)?;
     Ok(d)
@@ -372,13 +373,15 @@ impl PushDecode {
     /// Registers the buffers and starts the control thread. With `discovery` =
     /// `(url, cluster)`, prefills' ranks and liveness come from that etcd (prefill ranks
     /// registered with `PushPrefill.register`) instead of their bootstrap registries; raises
-    /// `DiscoveryError` when etcd is unreachable.
+    /// `DiscoveryError` when etcd is unreachable. With `digest`, every room is checked
+    /// against the content digests its writers send before it succeeds (host memory only:
+    /// raises `KvxferError` on GPU memory).
     #[new]
     #[pyo3(signature = (
         agent_name, transport, layout, *, tp_rank, tp_size, aux = Vec::new(),
         state = Vec::new(), state_kind = "none", waiting_timeout = 300.0,
         bootstrap_timeout = 30.0, heartbeat_interval = 5.0, max_heartbeat_failures = 2,
-        request_timeout = 2.0, discovery = None
+        request_timeout = 2.0, discovery = None, digest = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -397,6 +400,7 @@ impl PushDecode {
         max_heartbeat_failures: u32,
         request_timeout: f64,
         discovery: Option<(String, String)>,
+        digest: bool,
     ) -> PyResult<Self> {
         let bufs = buffers(layout, aux, state, state_kind)?;
         if tp_size == 0 || tp_rank >= tp_size {
@@ -415,6 +419,7 @@ impl PushDecode {
         config.heartbeat_interval = seconds("heartbeat_interval", heartbeat_interval)?;
         config.max_heartbeat_failures = max_heartbeat_failures;
         config.request_timeout = seconds("request_timeout", request_timeout)?;
+        config.digest = digest;
         if let Some((url, cluster)) = discovery {
             kvxfer_discovery::key::check_name("cluster name", &cluster)
                 .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
@@ -508,6 +513,18 @@ impl PushDecode {
     /// Rooms removed before they drained and given up on after the waiting timeout.
     fn undrained(&self, py: Python<'_>) -> PyResult<u64> {
         self.inner.with(py, "decode", |d| Ok(d.undrained()))
+    }
+
+    /// Counters since the last call (reset on read), durations in seconds: rooms whose
+    /// content digests matched (`verified_rooms`) or did not (`digest_mismatches`), and the
+    /// time their checks took (`digest_time`).
+    fn take_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.inner.with(py, "decode", |d| Ok(d.take_metrics()))?;
+        let out = PyDict::new(py);
+        out.set_item("verified_rooms", m.verified_rooms)?;
+        out.set_item("digest_mismatches", m.digest_mismatches)?;
+        out.set_item("digest_time", m.digest_time.as_secs_f64())?;
+        Ok(out)
     }
 
     /// Processes control results, notifications, timeouts and heartbeats. Never blocks.

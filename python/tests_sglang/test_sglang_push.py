@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -87,14 +87,17 @@ def _ended_in_error(r: requests.Response) -> bool:
     return finish.get("type") == "abort"
 
 
-def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written(
-    pair: Pair, reference: dict
-) -> None:
-    """A decode (this test, with kvxfer's push decode and buffers of 8 pages) asks for a room
-    with pages past its registration: the prefill refuses it, ends the request in error, tells
-    the decode, and writes nothing; then it keeps serving."""
+class _OwnDecode(NamedTuple):
+    decode: kvxfer.PushDecode
+    kv: list[np.ndarray]
+    aux: list[np.ndarray]
+    registry_port: int
+
+
+def _own_decode(pair: Pair, pages: int, name: str, digest: bool = False) -> _OwnDecode:
+    """A decode rank in this process (kvxfer's push decode over zeroed buffers of `pages`
+    pages, laid out as the prefill logs its own), and the prefill's push registry port."""
     shape = _prefill_shape(pair)
-    pages = 8
     block = shape["kv_heads"] * shape["head_dim"] * shape["tokens_per_block"]
     regions = 2 * shape["num_layers"]
     kv = [np.zeros(pages * block, dtype=np.uint8) for _ in range(regions)]
@@ -106,16 +109,28 @@ def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written
     }
     layout.update(num_blocks=pages, bases=[a.ctypes.data for a in kv])
     decode = kvxfer.PushDecode(
-        f"fake-decode-{pair.transport}",
+        f"{name}-{pair.transport}",
         pair.transport,
         layout,
         tp_rank=0,
         tp_size=1,
         aux=[(a.ctypes.data, n, 4) for a, n in zip(aux, shape["aux_item_lens"], strict=True)],
         discovery=None if pair.etcd is None else (pair.etcd.url, CLUSTER),
+        digest=digest,
     )
     boot = pair.prefill.bootstrap_port
     port = requests.get(f"http://127.0.0.1:{boot}/kvxfer", timeout=5).json()["port"]
+    return _OwnDecode(decode, kv, aux, port)
+
+
+def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written(
+    pair: Pair, reference: dict
+) -> None:
+    """A decode (this test, with kvxfer's push decode and buffers of 8 pages) asks for a room
+    with pages past its registration: the prefill refuses it, ends the request in error, tells
+    the decode, and writes nothing; then it keeps serving."""
+    decode, kv, aux, port = _own_decode(pair, 8, "fake-decode")
+    boot = pair.prefill.bootstrap_port
     r = room()
     reply: dict[str, requests.Response] = {}
     t = threading.Thread(
@@ -137,6 +152,60 @@ def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written
     p, d = direct(pair.prefill, pair.decode, PROMPT_B, PROMPT_B, room())
     assert d.status_code == 200, d.text
     assert_matches(d.json(), reference[tuple(PROMPT_B)])
+
+
+def test_content_digests_pass_as_written_and_catch_a_byte_changed_after_it_landed(
+    pair: Pair, reference: dict
+) -> None:
+    """A decode rank in this process, checking content digests, receives prompt A's room from
+    the real prefill, which digests what it writes because the decode asked. As written, the
+    pages fold to the prefill's digests and the room succeeds; with one byte flipped after
+    the data landed and before the decode looked (a faulty link or memory), the room fails on
+    a digest mismatch, counted. The prefill serves on either way."""
+    pages = len(PROMPT_A)  # --page-size 1
+    boot = pair.prefill.bootstrap_port
+    for corrupt in (False, True):
+        own = _own_decode(pair, pages, f"digest-decode-{int(corrupt)}", digest=True)
+        decode, r = own.decode, room()
+        reply: dict[str, requests.Response] = {}
+
+        def ask(r: int = r, reply: dict[str, requests.Response] = reply) -> None:
+            reply["p"] = post(pair.prefill.url, body(PROMPT_A, r, boot))
+
+        t = threading.Thread(target=ask)
+        t.start()
+        decode.add_room(r, ("127.0.0.1", own.registry_port), list(range(pages)), aux_index=0)
+        # Polled through the bootstrap only: the rest lands while this decode does not look.
+        deadline = time.monotonic() + 60
+        while (decode.status(r) or 0) < 2:
+            assert decode.status(r) != 0, decode.error(r)
+            assert time.monotonic() < deadline, "the bootstrap never ended"
+            decode.poll()
+            time.sleep(0.01)
+        t.join(timeout=120)
+        assert not t.is_alive(), "the prefill request never ended"
+        assert reply["p"].status_code == 200 and not _ended_in_error(reply["p"]), reply["p"].text
+        assert own.kv[0].any(), "the prefill wrote"
+        if corrupt:
+            own.kv[0][0] ^= 1
+        while decode.status(r) not in (0, 4):
+            assert time.monotonic() < deadline, "the room never ended"
+            decode.poll()
+            time.sleep(0.01)
+        m = decode.take_metrics()
+        if corrupt:
+            assert decode.status(r) == 0
+            assert "content digest mismatch" in (decode.error(r) or ""), decode.error(r)
+            assert (m["verified_rooms"], m["digest_mismatches"]) == (0, 1), m
+        else:
+            assert decode.status(r) == 4, decode.error(r)
+            assert (m["verified_rooms"], m["digest_mismatches"]) == (1, 0), m
+        decode.shutdown()
+    p, d = direct(pair.prefill, pair.decode, PROMPT_B, PROMPT_B, room())
+    assert d.status_code == 200, d.text
+    assert_matches(d.json(), reference[tuple(PROMPT_B)])
+    if pair.transport == "ucx":
+        assert "content digests checked" in pair.decode.log_text(), "the pair's decode checks"
 
 
 def _deferred_releases(decode_url: str) -> dict[str, float]:

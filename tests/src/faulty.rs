@@ -14,7 +14,9 @@
 //! shows that nothing is reported (or handed back to an engine) before its transfers end.
 //! Notifications can be failed too: the next few sends return an error, sending nothing.
 //! And a READ can be corrupted in flight: one byte of what landed flipped when it completes,
-//! as a faulty link or NIC would (what content digests must catch).
+//! as a faulty link or NIC would (what content digests must catch); a WRITE too: one byte of
+//! its source flipped while it is posted, then flipped back once it completed (what landed
+//! differs, the source does not), or left flipped (a source changed after its digest).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -50,6 +52,11 @@ struct Armed {
     /// READs posted with ranges (not by index) whose first landed range gets one byte
     /// flipped when they complete, from the next one on.
     corrupt: usize,
+    /// WRITEs posted with ranges whose first source range has one byte flipped while they
+    /// are posted, from the next one on.
+    corrupt_writes: usize,
+    /// Whether those bytes are flipped back once their WRITEs completed.
+    restore_writes: bool,
 }
 
 /// How one post goes.
@@ -96,6 +103,22 @@ impl FaultSwitch {
     /// their first local range), as a link that corrupts data would leave them.
     pub fn corrupt_next_reads(&self, n: usize) {
         self.armed().corrupt = n;
+    }
+
+    /// The next `n` WRITEs posted with ranges carry one byte flipped (the middle byte of their
+    /// first source range, flipped just before the post): flipped back once the WRITE
+    /// completes with `restore` (the destination alone differs, as after a link that
+    /// corrupts data), left flipped without (a source changed after it was digested).
+    pub fn corrupt_next_writes(&self, n: usize, restore: bool) {
+        let mut a = self.armed();
+        (a.corrupt_writes, a.restore_writes) = (n, restore);
+    }
+
+    /// Consumes one WRITE's share of the armed corruption: whether it is corrupted, and
+    /// whether its byte is flipped back.
+    fn take_write_corruption(&self) -> Option<bool> {
+        let restore = self.armed().restore_writes;
+        self.take_one(|a| &mut a.corrupt_writes).then_some(restore)
     }
 
     /// Consumes one READ's share of the armed corruption: whether it is corrupted.
@@ -157,6 +180,9 @@ pub struct Faulty<T: Transport> {
     xfers: HashMap<XferId, Posted>,
     /// Forwarded READs to corrupt when they complete: the address of the byte to flip.
     corrupt: HashMap<XferId, u64>,
+    /// Forwarded WRITEs whose source byte is flipped back when they complete (or are
+    /// released): its address.
+    restore: HashMap<XferId, u64>,
     next: u64,
 }
 
@@ -168,6 +194,7 @@ impl<T: Transport> Faulty<T> {
             switch: FaultSwitch::default(),
             xfers: HashMap::new(),
             corrupt: HashMap::new(),
+            restore: HashMap::new(),
             next: 0,
         }
     }
@@ -199,6 +226,15 @@ impl<T: Transport> Faulty<T> {
             .get(&xfer)
             .copied()
             .ok_or(TransportError::UnknownTransfer(xfer))
+    }
+
+    /// Flips back the source byte a corrupted WRITE flipped, once it ended.
+    fn restore_source(&mut self, xfer: XferId) {
+        if let Some(addr) = self.restore.remove(&xfer) {
+            // SAFETY: as when it was flipped; the caller keeps the registered source while
+            // the transfer is known.
+            unsafe { *(addr as *mut u8) ^= 0x01 };
+        }
     }
 
     /// Posts through `post` unless a failure is armed.
@@ -282,8 +318,25 @@ impl<T: Transport> Transport for Faulty<T> {
         remote: &[AddrRange],
         notification: Option<&[u8]>,
     ) -> TransportResult<XferId> {
-        let x = self.post_with(|t| t.post(op, peer, kind, local, remote, notification))?;
+        let flip = match (op, local.first()) {
+            (Op::Write, Some(first)) if kind.0 == MemoryKind::Host && first.len > 0 => self
+                .switch
+                .take_write_corruption()
+                .map(|restore| (first.addr + first.len / 2, restore)),
+            _ => None,
+        };
+        let x = self.post_with(|t| {
+            if let Some((addr, _)) = flip {
+                // SAFETY: `addr` lies inside the local range the caller registered and
+                // posts from.
+                unsafe { *(addr as *mut u8) ^= 0x01 };
+            }
+            t.post(op, peer, kind, local, remote, notification)
+        })?;
         let forwarded = matches!(self.xfers.get(&x), Some(Posted::Inner(_)));
+        if let (Some((addr, true)), true) = (flip, forwarded) {
+            self.restore.insert(x, addr);
+        }
         if let (Op::Read, true, Some(first)) = (op, forwarded, local.first()) {
             if kind.0 == MemoryKind::Host && first.len > 0 && self.switch.take_corruption() {
                 self.corrupt.insert(x, first.addr + first.len / 2);
@@ -305,6 +358,9 @@ impl<T: Transport> Transport for Faulty<T> {
                     // memory the caller registered and keeps while the transfer is known.
                     unsafe { *(addr as *mut u8) ^= 0x01 };
                 }
+                if status != XferStatus::InProgress {
+                    self.restore_source(xfer);
+                }
                 Ok(status)
             }
             Posted::Injected => Ok(XferStatus::Failed(INJECTED.into())),
@@ -315,6 +371,7 @@ impl<T: Transport> Transport for Faulty<T> {
         let posted = self.lookup(xfer)?;
         self.xfers.remove(&xfer);
         self.corrupt.remove(&xfer);
+        self.restore_source(xfer);
         match posted {
             Posted::Inner(x) => self.inner.release(x).map_err(|e| outer(e, xfer)),
             Posted::Injected => Ok(()),

@@ -64,6 +64,7 @@ fn room() -> ToPrefill {
         pages: vec![3, 9, 27],
         aux_index: Some(1),
         state_indices: vec![4],
+        digest: true,
     })
 }
 

@@ -220,6 +220,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
         pages: vec![1],
         aux_index: Some(0),
         state_indices: vec![],
+        digest: false,
     };
     let _ = request_bytes(
         &mailbox.host,
@@ -448,6 +449,7 @@ fn room_of(agent: &str, room: u64, pages: Vec<u32>, state_indices: Vec<u32>) -> 
         pages,
         aux_index: None,
         state_indices,
+        digest: false,
     }
 }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
 
+use super::digests::Coverage;
 use super::messages::{PushNote, RankInfo};
 use super::status::RoomStatus;
 
@@ -22,7 +23,8 @@ type Writer = (String, u32);
 /// What a room needs before it is complete.
 #[derive(Debug)]
 struct Expectation {
-    writers: HashSet<Writer>,
+    /// Each writer, and what it writes of this rank's cache (for its content digest).
+    writers: HashMap<Writer, Coverage>,
     aux_from: Option<String>,
     state_stages: u32,
 }
@@ -54,6 +56,26 @@ pub struct DecodeRoom {
     reached: Option<HashSet<String>>,
     /// The prefill was declared dead: none of its ranks writes any more.
     prefill_gone: bool,
+    /// The room is checked against content digests before it succeeds.
+    digest: bool,
+    /// Per writer, the fold of its content digests, from its last KV note.
+    folds: HashMap<Writer, u64>,
+    /// The content check was handed out ([`DecodeRoom::take_check`]).
+    checking: bool,
+}
+
+/// One writer's share of a room's content check: the fold its last note carried, over
+/// what it wrote of this rank's cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriterCheck {
+    /// The writer's agent.
+    pub agent: String,
+    /// Its PP stage.
+    pub pp_rank: u32,
+    /// The heads and layers it wrote.
+    pub cover: Coverage,
+    /// The fold it sent.
+    pub expected: u64,
 }
 
 impl DecodeRoom {
@@ -84,7 +106,21 @@ impl DecodeRoom {
             error: None,
             reached: None,
             prefill_gone: false,
+            digest: false,
+            folds: HashMap::new(),
+            checking: false,
         }
+    }
+
+    /// The room is checked against content digests before it succeeds (its writers are
+    /// asked for them).
+    pub fn check_digests(&mut self) {
+        self.digest = !self.pages.is_empty();
+    }
+
+    /// The room's destination pages.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
     }
 
     /// The room's status.
@@ -180,12 +216,16 @@ impl DecodeRoom {
                 chunk,
                 is_last,
                 pp_rank,
+                digest,
                 ..
             } => {
                 let entry = self.chunks.entry((from.to_string(), pp_rank)).or_default();
                 entry.0.insert(chunk);
                 if is_last {
                     entry.1 = Some(chunk);
+                }
+                if let Some(d) = digest {
+                    self.folds.insert((from.to_string(), pp_rank), d);
                 }
                 self.status = self.status.update(RoomStatus::Transferring);
             }
@@ -210,16 +250,68 @@ impl DecodeRoom {
             self.fail("aborted by the prefill".into());
         }
         if !self.status.is_final() && self.complete() {
-            self.status = RoomStatus::Success;
+            if !self.digest {
+                self.status = RoomStatus::Success;
+            } else if let Some((agent, pp)) = self.unfolded_writer() {
+                self.fail(format!(
+                    "prefill rank {agent} (stage {pp}) sent no content digest: it does not digest (a kvxfer from before push-mode digests?)"
+                ));
+            }
+            // Otherwise every note and fold arrived: the check decides (`checked`).
         }
         if !self.status.is_final() && now.saturating_sub(self.created) > waiting_timeout {
             self.fail(format!("room {id} waited longer than {waiting_timeout:?}"));
         }
     }
 
+    /// A writer whose last note carried no fold.
+    fn unfolded_writer(&self) -> Option<Writer> {
+        let e = self.expect.as_ref()?;
+        e.writers
+            .keys()
+            .find(|w| !self.folds.contains_key(*w))
+            .cloned()
+    }
+
+    /// The room's content check, once: when it checks digests, every note arrived with
+    /// every writer's fold, and it is still live. The room stays `Transferring` until
+    /// [`DecodeRoom::checked`].
+    pub fn take_check(&mut self) -> Option<Vec<WriterCheck>> {
+        if !self.digest || self.checking || self.status.is_final() || !self.complete() {
+            return None;
+        }
+        let e = self.expect.as_ref()?;
+        let checks = e
+            .writers
+            .iter()
+            .map(|(w, &cover)| {
+                self.folds.get(w).map(|&expected| WriterCheck {
+                    agent: w.0.clone(),
+                    pp_rank: w.1,
+                    cover,
+                    expected,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        self.checking = true;
+        Some(checks)
+    }
+
+    /// The content check ended: the room succeeds, or fails with the mismatch (unless it
+    /// ended otherwise meanwhile).
+    pub fn checked(&mut self, outcome: Result<(), String>) {
+        if !self.checking || self.status.is_final() {
+            return;
+        }
+        match outcome {
+            Ok(()) => self.status = RoomStatus::Success,
+            Err(e) => self.fail(e),
+        }
+    }
+
     fn complete(&self) -> bool {
         let Some(e) = &self.expect else { return false };
-        let kv = e.writers.iter().all(|w| match self.chunks.get(w) {
+        let kv = e.writers.keys().all(|w| match self.chunks.get(w) {
             // Every chunk 0..=last, and no other.
             Some((got, Some(last))) => {
                 got.len() as u64 == u64::from(*last) + 1 && got.iter().all(|c| c <= last)
@@ -230,7 +322,7 @@ impl DecodeRoom {
         let stages: HashSet<u32> = self
             .states
             .iter()
-            .filter(|w| e.writers.contains(*w))
+            .filter(|w| e.writers.contains_key(*w))
             .map(|w| w.1)
             .collect();
         kv && aux && stages.len() as u32 >= e.state_stages
@@ -257,30 +349,36 @@ impl DecodeRoom {
         let first = ranks.first().ok_or("the prefill registered no ranks")?;
         let mapping = TpMapping::new(first.tp_size, tp.1, sharding).map_err(|e| e.to_string())?;
         let links = mapping.links_for_decode(tp.0).map_err(|e| e.to_string())?;
-        let data: Vec<u32> = links
+        let data: Vec<(u32, kvxfer_layout::HeadSlice)> = links
             .iter()
-            .filter(|l| matches!(l.kind, LinkKind::Data(_)))
-            .map(|l| l.prefill_rank)
+            .filter_map(|l| match l.kind {
+                LinkKind::Data(s) => Some((l.prefill_rank, s)),
+                _ => None,
+            })
             .collect();
-        let agent = |tp_rank: u32, pp_rank: u32| {
+        let rank = |tp_rank: u32, pp_rank: u32| {
             ranks
                 .iter()
                 .find(|r| r.tp_rank == tp_rank && r.pp_rank == pp_rank)
-                .map(|r| r.agent.clone())
         };
+        let agent = |tp_rank: u32, pp_rank: u32| rank(tp_rank, pp_rank).map(|r| r.agent.clone());
         let dummy = self.pages.is_empty();
-        let mut writers = HashSet::new();
+        let mut writers = HashMap::new();
         if !dummy {
             for pp in 0..first.pp_size {
-                for &q in &data {
-                    writers.insert((
-                        agent(q, pp).ok_or(format!("prefill rank tp {q} pp {pp} missing"))?,
-                        pp,
-                    ));
+                for &(q, slice) in &data {
+                    let r = rank(q, pp).ok_or(format!("prefill rank tp {q} pp {pp} missing"))?;
+                    let cover = Coverage {
+                        first_head: slice.dst_first,
+                        heads: slice.count,
+                        first_layer: r.first_layer,
+                        layers: r.num_layers,
+                    };
+                    writers.insert((r.agent.clone(), pp), cover);
                 }
             }
         }
-        let lead = data.iter().min().copied();
+        let lead = data.iter().map(|d| d.0).min();
         let wants_aux = !dummy && self.aux_index.is_some();
         let wants_state = !dummy && !self.state_indices.is_empty();
         Ok(Expectation {
@@ -334,6 +432,17 @@ mod tests {
             chunk,
             is_last,
             pp_rank,
+            digest: None,
+        }
+    }
+
+    fn last_with_fold(chunk: u32, fold: u64) -> PushNote {
+        PushNote::Kv {
+            room: 7,
+            chunk,
+            is_last: true,
+            pp_rank: 0,
+            digest: Some(fold),
         }
     }
 
@@ -370,6 +479,98 @@ mod tests {
         assert!(r.note("p1.0", &kv(0, true, 0)));
         assert_eq!(settle(&mut r), RoomStatus::Success);
         assert_eq!(r.error(), None);
+    }
+
+    #[test]
+    fn with_digests_a_complete_room_succeeds_only_once_its_check_passes() {
+        let mut r = DecodeRoom::new(
+            ("h".into(), 1),
+            Duration::ZERO,
+            vec![1, 2],
+            None,
+            Vec::new(),
+        );
+        r.check_digests();
+        r.bootstrapped(
+            prefill(2, 1),
+            (0, 1),
+            HeadSharding::Split { total_kv_heads: 2 },
+        );
+        assert_eq!(r.take_check(), None, "nothing arrived");
+        assert!(r.note("p0.0", &last_with_fold(0, 0xa)));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        assert_eq!(r.take_check(), None, "p1.0 has sent nothing");
+        assert!(r.note("p1.0", &kv(0, false, 0)));
+        assert!(r.note("p1.0", &last_with_fold(1, 0xb)));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring, "not checked yet");
+        let mut checks = r.take_check().expect("the check");
+        checks.sort_by(|a, b| a.agent.cmp(&b.agent));
+        let share = |agent: &str, head: u32, expected: u64| WriterCheck {
+            agent: agent.into(),
+            pp_rank: 0,
+            cover: Coverage {
+                first_head: head,
+                heads: 1,
+                first_layer: 0,
+                layers: 1,
+            },
+            expected,
+        };
+        assert_eq!(checks, vec![share("p0.0", 0, 0xa), share("p1.0", 1, 0xb)]);
+        assert_eq!(r.take_check(), None, "handed out once");
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        r.checked(Ok(()));
+        assert_eq!(r.status(), RoomStatus::Success);
+        r.checked(Err("late".into()));
+        assert_eq!((r.status(), r.error()), (RoomStatus::Success, None));
+    }
+
+    #[test]
+    fn with_digests_a_missing_fold_or_a_failed_check_fails_the_room() {
+        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, vec![1], None, Vec::new());
+        r.check_digests();
+        r.bootstrapped(
+            prefill(1, 1),
+            (0, 1),
+            HeadSharding::Split { total_kv_heads: 2 },
+        );
+        r.checked(Ok(()));
+        assert_eq!(
+            r.status(),
+            RoomStatus::WaitingForInput,
+            "no check was handed out"
+        );
+        assert!(r.note("p0.0", &kv(0, true, 0)));
+        assert_eq!(settle(&mut r), RoomStatus::Failed);
+        assert!(
+            r.error()
+                .expect("why")
+                .contains("p0.0 (stage 0) sent no content digest")
+        );
+        assert_eq!(r.take_check(), None);
+
+        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, vec![1], None, Vec::new());
+        r.check_digests();
+        r.bootstrapped(
+            prefill(1, 1),
+            (0, 1),
+            HeadSharding::Split { total_kv_heads: 2 },
+        );
+        assert!(r.note("p0.0", &last_with_fold(0, 1)));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        let [share] = &r.take_check().expect("the check")[..] else {
+            panic!("one writer")
+        };
+        assert_eq!((share.cover.first_head, share.cover.heads), (0, 2));
+        r.checked(Err("mismatch".into()));
+        assert_eq!(
+            (r.status(), r.error()),
+            (RoomStatus::Failed, Some("mismatch"))
+        );
+        // A room without pages checks nothing.
+        let mut r = room(Vec::new(), None, Vec::new(), prefill(1, 1));
+        r.check_digests();
+        assert_eq!(settle(&mut r), RoomStatus::Success);
     }
 
     #[test]

@@ -78,6 +78,12 @@ pub struct RoomRequest {
     pub aux_index: Option<u32>,
     /// Destination state indices.
     pub state_indices: Vec<u32>,
+    /// The decode checks content digests: the writer's last KV note carries the fold of
+    /// what it wrote (see [`crate::push::digests`]). Left out when false, so a decode that
+    /// does not ask sends what older prefills read; an older prefill ignores it (and the
+    /// decode then fails the room for the missing fold).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub digest: bool,
 }
 
 /// Decode → prefill rank.
@@ -276,6 +282,13 @@ pub fn kv_note(room: u64, chunk: u32, is_last: bool, pp_rank: u32) -> Vec<u8> {
     format!("{room}_kv_{chunk}_{}_{pp_rank}", u8::from(is_last)).into_bytes()
 }
 
+/// Prefill → decode notification of a room's last KV chunk, with the fold of the content
+/// digests of everything this writer wrote into that decode rank (16 hex digits): sent only
+/// to a decode that asked for digests.
+pub fn last_kv_note_with_digest(room: u64, chunk: u32, pp_rank: u32, digest: u64) -> Vec<u8> {
+    format!("{room}_kv_{chunk}_1_{pp_rank}_{digest:016x}").into_bytes()
+}
+
 /// Prefill → decode notification of aux data.
 pub fn aux_note(room: u64) -> Vec<u8> {
     format!("{room}_aux").into_bytes()
@@ -304,6 +317,9 @@ pub enum PushNote {
         is_last: bool,
         /// Writer's PP rank.
         pp_rank: u32,
+        /// The fold of the writer's content digests (its last chunk, for a decode that
+        /// asked for them).
+        digest: Option<u64>,
     },
     /// Aux data arrived.
     Aux {
@@ -330,16 +346,27 @@ pub fn parse_note(message: &[u8]) -> Option<PushNote> {
     let mut parts = text.split('_');
     let room: u64 = parts.next()?.parse().ok()?;
     let note = match (parts.next()?, parts.next(), parts.next(), parts.next()) {
-        ("kv", Some(c), Some(l), Some(p)) => PushNote::Kv {
-            room,
-            chunk: c.parse().ok()?,
-            is_last: match l {
+        ("kv", Some(c), Some(l), Some(p)) => {
+            let is_last = match l {
                 "0" => false,
                 "1" => true,
                 _ => return None,
-            },
-            pp_rank: p.parse().ok()?,
-        },
+            };
+            // A fold is 16 hex digits (no sign), on a last chunk only.
+            let hex = |d: &str| d.len() == 16 && d.bytes().all(|b| b.is_ascii_hexdigit());
+            let digest = match parts.next() {
+                None => None,
+                Some(d) if is_last && hex(d) => Some(u64::from_str_radix(d, 16).ok()?),
+                Some(_) => return None,
+            };
+            PushNote::Kv {
+                room,
+                chunk: c.parse().ok()?,
+                is_last,
+                pp_rank: p.parse().ok()?,
+                digest,
+            }
+        }
         ("aux", None, None, None) => PushNote::Aux { room },
         ("state", Some(p), None, None) => PushNote::State {
             room,
@@ -437,8 +464,30 @@ mod tests {
                 room: 7,
                 chunk: 2,
                 is_last: true,
-                pp_rank: 1
+                pp_rank: 1,
+                digest: None,
             })
+        );
+        assert_eq!(
+            parse_note(&last_kv_note_with_digest(7, 2, 1, 0xfedc_ba98_7654_3210)),
+            Some(PushNote::Kv {
+                room: 7,
+                chunk: 2,
+                is_last: true,
+                pp_rank: 1,
+                digest: Some(0xfedc_ba98_7654_3210),
+            })
+        );
+        assert_eq!(
+            parse_note(&last_kv_note_with_digest(7, 2, 1, 5)),
+            Some(PushNote::Kv {
+                room: 7,
+                chunk: 2,
+                is_last: true,
+                pp_rank: 1,
+                digest: Some(5),
+            }),
+            "leading zeros kept"
         );
         assert_eq!(parse_note(&aux_note(7)), Some(PushNote::Aux { room: 7 }));
         assert_eq!(
@@ -460,6 +509,10 @@ mod tests {
             b"x_aux",
             b"7_aux_1",
             b"7_kv_1_1_0_9",
+            b"7_kv_1_0_0_00000000000000ff",
+            b"7_kv_1_1_0_0000000000000x00",
+            b"7_kv_1_1_0_+00000000000000f",
+            b"7_kv_1_1_0_00000000000000ff_1",
             b"\xff",
         ] {
             assert_eq!(parse_note(junk), None, "{junk:?}");
@@ -474,8 +527,20 @@ mod tests {
             pages: vec![1, 2],
             aux_index: Some(0),
             state_indices: vec![],
+            digest: false,
         });
         assert_eq!(decode::<ToPrefill>(&encode(&m), "msg").unwrap(), m);
+        // Without digests, the bytes an older prefill reads; with them, an extra field.
+        assert!(!String::from_utf8_lossy(&encode(&m)).contains("digest"));
+        let ToPrefill::Room(mut asking) = m.clone() else {
+            unreachable!()
+        };
+        asking.digest = true;
+        let asking = ToPrefill::Room(asking);
+        assert_eq!(
+            decode::<ToPrefill>(&encode(&asking), "msg").unwrap(),
+            asking
+        );
         assert_eq!(
             decode::<ToPrefill>(&encode(&ToPrefill::Health), "msg").unwrap(),
             ToPrefill::Health

@@ -5,6 +5,7 @@
 mod buffers;
 mod decode;
 pub mod decode_room;
+pub mod digests;
 mod directory;
 #[cfg(feature = "etcd")]
 mod etcd_directory;
@@ -15,7 +16,7 @@ mod registry;
 mod status;
 
 pub use buffers::{PushBuffers, StateKind};
-pub use decode::{PushDecode, PushDecodeConfig};
+pub use decode::{PushDecode, PushDecodeConfig, PushDecodeMetrics};
 pub use directory::{Addr, PrefillDirectory, RegistryDirectory};
 #[cfg(feature = "etcd")]
 pub use etcd_directory::{EtcdDirectory, push_records};

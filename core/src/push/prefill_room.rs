@@ -11,6 +11,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use super::digests::Fold;
 use super::messages::RoomRequest;
 use super::prefill::PushError;
 use super::status::RoomStatus;
@@ -37,6 +38,8 @@ pub struct PrefillRoom {
     late: HashSet<String>,
     /// Destinations (and late agents) told that the room failed.
     told: HashSet<String>,
+    /// Per destination that asked for content digests: the fold of what was sent to it.
+    folds: HashMap<String, Fold>,
 }
 
 /// The next chunk of a room, as [`PrefillRoom::next_chunk`] lays it out.
@@ -76,7 +79,13 @@ impl PrefillRoom {
             error: None,
             late: HashSet::new(),
             told: HashSet::new(),
+            folds: HashMap::new(),
         }
+    }
+
+    /// The content-digest fold of what was sent to destination `agent` so far.
+    pub fn fold_mut(&mut self, agent: &str) -> &mut Fold {
+        self.folds.entry(agent.to_string()).or_default()
     }
 
     /// The room's status.
@@ -325,6 +334,7 @@ mod tests {
             pages: (0..pages).collect(),
             aux_index: None,
             state_indices: Vec::new(),
+            digest: false,
         }
     }
 

@@ -24,6 +24,13 @@ registered") and its liveness from etcd instead of asking its push registry: a d
 rooms fail once its keys are gone (within the TTL), a restarted one is picked up when it
 registers again. The decode still finds the registry's address through SGLang's bootstrap
 server, so the prefill must reach its own bootstrap server at the host the decodes are given.
+
+Content digests (the decode's choice; prefills digest when asked): ``KVXFER_DIGEST=1`` on the
+decode, or SGLang's own ``--disaggregation-enable-kv-checksum`` on a decode whose KV is in host
+memory, checks every room's pages against the content digests of the prefill ranks that wrote
+them before the room succeeds; a mismatch fails the room (``KVPoll.Failed``). On a GPU decode
+SGLang's flag keeps SGLang's own (CUDA) checksum, and kvxfer's has no device kernel yet.
+``KVXFER_DIGEST=0`` switches kvxfer's off whatever the flag says.
 """
 
 from __future__ import annotations
@@ -101,6 +108,24 @@ def _discovery() -> Discovery | None:
         os.environ.get("KVXFER_CLUSTER", "default"),
         os.environ.get("KVXFER_ENGINE_ID") or None,
     )
+
+
+def _digest(server_args: ServerArgs, memory: str) -> bool:
+    """Whether a decode checks kvxfer's content digests (``KVXFER_DIGEST``, else SGLang's
+    ``--disaggregation-enable-kv-checksum`` on host memory)."""
+    raw = os.environ.get("KVXFER_DIGEST", "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"KVXFER_DIGEST={raw!r}: expected 0 or 1")
+    if raw:
+        return raw == "1"
+    flag = bool(getattr(server_args, "disaggregation_enable_kv_checksum", False))
+    if flag and memory != "host":
+        log.info(
+            "kvxfer: --disaggregation-enable-kv-checksum on GPU memory: SGLang's own checksum "
+            "checks the KV (kvxfer's content digests have no device kernel yet)"
+        )
+        return False
+    return flag
 
 
 def _lease_ttl() -> float:
@@ -237,9 +262,12 @@ class KvxferKVManager(CommonKVManager):
                 heartbeat_interval=float(self.heartbeat_interval),
                 max_heartbeat_failures=int(self.max_failures),
                 discovery=None if disc is None else (disc.url, disc.cluster),
+                digest=_digest(server_args, memory),
             )
             if disc is not None:
                 directory = f"etcd cluster {disc.cluster!r}"
+            if _digest(server_args, memory):
+                directory += ", content digests checked"
         shape = {k: v for k, v in bufs.layout.items() if k != "bases"}
         shape["aux_item_lens"] = [item for _, item, _ in bufs.aux]
         shape["state_item_lens"] = [item for _, item, _ in bufs.state]

@@ -7,6 +7,7 @@
 pub mod digest;
 pub mod pull;
 pub mod push;
+pub mod push_digest;
 pub mod stamped;
 
 /// Generates one `#[test]` per pull scenario. `$run` is called as `$run(case, body)` and
@@ -54,6 +55,9 @@ macro_rules! push_scenarios {
             restarted_prefill_at_the_same_address_serves_new_rooms,
             malformed_control_messages_are_dropped_and_serving_continues,
             room_requested_before_the_engine_adds_it);
+        $crate::scenario_tests!($run, push_digest:
+            content_digests_verify_rooms_across_tp_stages_and_mla,
+            a_corrupted_write_and_a_changed_source_fail_their_rooms);
     };
 }
 

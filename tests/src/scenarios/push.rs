@@ -523,6 +523,7 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             pages: vec![1],
             aux_index: None,
             state_indices: vec![],
+            digest: false,
         }),
     );
     kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &foreign, t, limit).expect("reply");

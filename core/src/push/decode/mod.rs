@@ -16,7 +16,8 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::HeadSharding;
 
 use super::buffers::PushBuffers;
-use super::decode_room::DecodeRoom;
+use super::decode_room::{DecodeRoom, WriterCheck};
+use super::digests::{PageDigests, Pending};
 use super::directory::{PrefillDirectory, RegistryDirectory};
 use super::messages::{self, PushNote, RankInfo, RegisterArgs, RoomRequest};
 use super::status::RoomStatus;
@@ -45,6 +46,10 @@ pub struct PushDecodeConfig {
     pub request_timeout: Duration,
     /// Where prefills' ranks and liveness come from: their bootstrap registries by default.
     pub directory: Arc<dyn PrefillDirectory>,
+    /// Check each room's content digests before it succeeds ([`crate::push::digests`]):
+    /// every prefill rank that writes into it sends the fold of what it wrote, and the room
+    /// fails unless this rank's pages fold the same.
+    pub digest: bool,
 }
 
 impl PushDecodeConfig {
@@ -58,6 +63,7 @@ impl PushDecodeConfig {
             max_heartbeat_failures: 2,
             request_timeout: Duration::from_secs(2),
             directory: Arc::new(RegistryDirectory),
+            digest: false,
         }
     }
 }
@@ -88,6 +94,24 @@ pub struct PushDecode<T: Transport> {
     undrained: u64,
     unknown_notifications: u64,
     sharding: HeadSharding,
+    /// Content digesting, with digests on.
+    digests: Option<PageDigests>,
+    /// Rooms whose content check runs: when it started, and per writer, its share and the
+    /// digests computing.
+    checking: HashMap<u64, (Duration, Vec<(WriterCheck, Pending)>)>,
+    metrics: PushDecodeMetrics,
+}
+
+/// Counters of a decode rank, read and reset with [`PushDecode::take_metrics`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushDecodeMetrics {
+    /// Rooms whose content digests matched.
+    pub verified_rooms: u64,
+    /// Rooms that failed on a content digest mismatch.
+    pub digest_mismatches: u64,
+    /// Time from a room's last note to the end of its content check (digesting on the
+    /// digest threads, while the engine steps).
+    pub digest_time: Duration,
 }
 
 impl<T: Transport> PushDecode<T> {
@@ -98,6 +122,11 @@ impl<T: Transport> PushDecode<T> {
         bufs: PushBuffers,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, String> {
+        let digests = if config.digest {
+            Some(PageDigests::new(&bufs.kv)?)
+        } else {
+            None
+        };
         let registrations = bufs.register(&mut transport).map_err(|e| e.to_string())?;
         let kv = &bufs.kv;
         let args = RegisterArgs {
@@ -141,6 +170,9 @@ impl<T: Transport> PushDecode<T> {
             undrained: 0,
             unknown_notifications: 0,
             sharding: bufs.kv.sharding(),
+            digests,
+            checking: HashMap::new(),
+            metrics: PushDecodeMetrics::default(),
         })
     }
 
@@ -171,21 +203,23 @@ impl<T: Transport> PushDecode<T> {
             pages: pages.clone(),
             aux_index,
             state_indices: state_indices.clone(),
+            digest: self.config.digest && !pages.is_empty(),
         };
         let known = self
             .prefills
             .get(&addr)
             .map(|p| (p.instance, p.registered.clone()));
-        self.rooms.insert(
-            room,
-            DecodeRoom::new(
-                addr.clone(),
-                self.clock.now(),
-                pages,
-                aux_index,
-                state_indices,
-            ),
+        let mut r = DecodeRoom::new(
+            addr.clone(),
+            self.clock.now(),
+            pages,
+            aux_index,
+            state_indices,
         );
+        if self.config.digest {
+            r.check_digests();
+        }
+        self.rooms.insert(room, r);
         self.submit(Job::Bootstrap {
             room,
             addr,
@@ -242,6 +276,12 @@ impl<T: Transport> PushDecode<T> {
     pub fn forget(&mut self, room: u64) {
         self.rooms.remove(&room);
         self.draining.remove(&room);
+        self.checking.remove(&room);
+    }
+
+    /// The counters since the last call, reset.
+    pub fn take_metrics(&mut self) -> PushDecodeMetrics {
+        std::mem::take(&mut self.metrics)
     }
 
     /// Rooms removed before they drained and given up on after the waiting timeout.
@@ -284,6 +324,7 @@ impl<T: Transport> PushDecode<T> {
             }
         }
         self.abort_ranks(failed);
+        self.check_contents(now);
         let wait = self.config.waiting_timeout;
         let undrained = &mut self.undrained;
         self.draining.retain(|id, (removed, r)| {
@@ -298,6 +339,54 @@ impl<T: Transport> PushDecode<T> {
             keep
         });
         self.heartbeat(now);
+    }
+
+    /// Starts the content checks of rooms whose notes all arrived, and ends those whose
+    /// digests are in: the room succeeds if every writer's fold matches its pages', fails
+    /// otherwise.
+    fn check_contents(&mut self, now: Duration) {
+        let Some(digests) = self.digests.as_mut() else {
+            return;
+        };
+        for (&id, r) in &mut self.rooms {
+            let Some(checks) = r.take_check() else {
+                continue;
+            };
+            let started: Result<Vec<_>, String> = checks
+                .into_iter()
+                .map(|c| digests.start(r.pages(), c.cover).map(|p| (c, p)))
+                .collect();
+            match started {
+                Ok(writers) => {
+                    self.checking.insert(id, (now, writers));
+                }
+                Err(e) => r.checked(Err(format!("content check: {e}"))),
+            }
+        }
+        let mut ended = Vec::new();
+        for (&id, (t0, writers)) in &mut self.checking {
+            if let Some(outcome) = check_outcome(writers) {
+                ended.push((id, *t0, outcome));
+            }
+        }
+        for (id, t0, outcome) in ended {
+            self.checking.remove(&id);
+            self.metrics.digest_time.tally(now.saturating_sub(t0));
+            let outcome = match outcome {
+                Checked::Match => {
+                    self.metrics.verified_rooms.tally(1);
+                    Ok(())
+                }
+                Checked::Mismatch(e) => {
+                    self.metrics.digest_mismatches.tally(1);
+                    Err(e)
+                }
+                Checked::Failed(e) => Err(e),
+            };
+            if let Some(r) = self.room_mut(id) {
+                r.checked(outcome);
+            }
+        }
     }
 
     /// Fails the live rooms that bootstrapped against instance `old` of the prefill at
@@ -472,6 +561,34 @@ impl<T: Transport> PushDecode<T> {
             self.submit(Job::Probe { addr });
         }
     }
+}
+
+/// How a room's content check ended.
+enum Checked {
+    /// Every writer's fold matched.
+    Match,
+    /// One did not.
+    Mismatch(String),
+    /// The pages could not be digested.
+    Failed(String),
+}
+
+/// The outcome of a room's content check once every writer's digests are in (`None`
+/// before), stopping at the first mismatch or failure.
+fn check_outcome(writers: &mut [(WriterCheck, Pending)]) -> Option<Checked> {
+    for (c, pending) in writers.iter_mut() {
+        match pending.try_fold()? {
+            Err(e) => return Some(Checked::Failed(format!("content check: {e}"))),
+            Ok(fold) if fold != c.expected => {
+                return Some(Checked::Mismatch(format!(
+                    "content digest mismatch: the pages prefill rank {} (stage {}) wrote into this decode rank fold to {fold:016x}, it sent {:016x}: the bytes received are not the ones it digested",
+                    c.agent, c.pp_rank, c.expected
+                )));
+            }
+            Ok(_) => {}
+        }
+    }
+    Some(Checked::Match)
 }
 
 impl<T: Transport> Drop for PushDecode<T> {

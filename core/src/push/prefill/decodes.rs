@@ -8,7 +8,7 @@ use kvxfer_layout::{CacheSide, TpMapping};
 use super::{Decode, PushPrefill};
 use crate::push::buffers::StateKind;
 use crate::push::messages::{self, RegisterArgs, RoomRequest};
-use crate::transport::Transport;
+use crate::transport::{MemoryKind, Transport};
 
 impl<T: Transport> PushPrefill<T> {
     pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
@@ -114,6 +114,12 @@ impl<T: Transport> PushPrefill<T> {
             && req.state_indices.len() > 1
         {
             return Some("Mamba state takes exactly one index".into());
+        }
+        if req.digest && !req.pages.is_empty() && self.bufs.kv.memory != MemoryKind::Host {
+            return Some(format!(
+                "decode {} checks content digests, which this prefill cannot compute: its KV cache is in GPU memory (no device kernel yet)",
+                req.agent
+            ));
         }
         None
     }

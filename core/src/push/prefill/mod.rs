@@ -13,6 +13,7 @@ use crossbeam_channel::{Receiver, unbounded};
 use kvxfer_layout::{CacheSpec, TpMapping, TransferPlan};
 
 use super::buffers::PushBuffers;
+use super::digests::PageDigests;
 use super::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
     ToPrefill, ToRegistry,
@@ -102,6 +103,8 @@ pub struct PushPrefill<T: Transport> {
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
     refused: u64,
     metrics: PushMetrics,
+    /// Content digesting, set up when a decode first asks for it (or why it cannot be).
+    digests: Option<Result<PageDigests, String>>,
 }
 
 /// Counters of a prefill rank, read and reset with [`PushPrefill::take_metrics`].
@@ -119,6 +122,8 @@ pub struct PushMetrics {
     pub post_time: std::time::Duration,
     /// Of which: computing the coalesced plans and range lists.
     pub plan_time: std::time::Duration,
+    /// Of which: digesting the pages sent to decodes that check content digests.
+    pub digest_time: std::time::Duration,
     /// Rooms that failed.
     pub failed_rooms: u64,
     /// Registrations received from decodes (each registers once per prefill instance).
@@ -205,6 +210,7 @@ impl<T: Transport> PushPrefill<T> {
             ranges: (Vec::new(), Vec::new()),
             refused: 0,
             metrics: PushMetrics::default(),
+            digests: None,
         })
     }
 

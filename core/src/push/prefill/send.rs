@@ -7,6 +7,7 @@ use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_
 
 use super::{PushError, PushPrefill};
 use crate::plan::split_for;
+use crate::push::digests::{Coverage, PageDigests};
 use crate::push::messages::{self, BufferWire, RoomRequest};
 use crate::tally::Tally;
 use crate::transport::{AddrRange, MemoryKind, Op, Transport, XferId};
@@ -68,6 +69,9 @@ impl<T: Transport> PushPrefill<T> {
         state_indices: &[u32],
         posted: &mut Vec<XferId>,
     ) -> Result<(), String> {
+        if dest.digest && self.digests.is_none() {
+            self.digests = Some(PageDigests::new(&self.bufs.kv));
+        }
         let d = self
             .decodes
             .get(&dest.agent)
@@ -134,7 +138,40 @@ impl<T: Transport> PushPrefill<T> {
             .tally(self.plan.len() as u64);
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
-        let note = messages::kv_note(room, chunk, is_last, pp_rank);
+        let note = if dest.digest {
+            // The pages' digests join this destination's fold before their WRITE is posted;
+            // the last chunk's note carries the fold.
+            let digesting = self.clock.now();
+            let digests = match self.digests.as_mut() {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => return Err(e.clone()),
+                None => return Err("content digests: not set up".into()),
+            };
+            let cover = Coverage {
+                first_head: slice.src_first,
+                heads: slice.count,
+                first_layer: 0,
+                layers: kv.spec.num_layers(),
+            };
+            let pending = digests.start(pages, cover)?;
+            let fold = self
+                .rooms
+                .get_mut(&room)
+                .ok_or_else(|| format!("unknown room {room}"))?
+                .fold_mut(&dest.agent);
+            pending.wait_into(fold)?;
+            let value = fold.value();
+            self.metrics
+                .digest_time
+                .tally(self.clock.now().saturating_sub(digesting));
+            if is_last {
+                messages::last_kv_note_with_digest(room, chunk, pp_rank, value)
+            } else {
+                messages::kv_note(room, chunk, is_last, pp_rank)
+            }
+        } else {
+            messages::kv_note(room, chunk, is_last, pp_rank)
+        };
         posted.push(
             self.transport
                 .post(
