@@ -159,6 +159,20 @@ fn bench_push_mode() {
 }
 
 #[test]
+fn bench_with_digests_reports_both_runs_in_each_mode() {
+    for mode in ["pull", "push"] {
+        let mut args = SMALL.to_vec();
+        args.extend(["--mode", mode, "--tp", "2:1", "--digest"]);
+        let (code, out, err) = kvxfer(&args);
+        assert_eq!(code, 0, "{mode}: {err}");
+        assert!(
+            out.contains("digests on / off") && out.contains("all correct"),
+            "{mode}: {out}"
+        );
+    }
+}
+
+#[test]
 fn bench_errors_are_clear() {
     let cases: &[(&[&str], &str)] = &[
         (&["bench", "--transport", "tcp"], "unknown transport"),

@@ -90,7 +90,8 @@ pub struct BenchConfig {
     pub keep_going: bool,
     /// Pull: find the prefill (`bench`) or register it (`serve`) through etcd.
     pub discovery: Option<DiscoveryConfig>,
-    /// Pull: content digests on, after a run with them off (see [`run`]).
+    /// Content digests on, after a run with them off (see [`run`]); push: the decode asks
+    /// for them.
     pub digest: bool,
 }
 
@@ -141,39 +142,42 @@ pub fn run(c: &BenchConfig, progress: &mut dyn FnMut(u32, u32)) -> Result<BenchR
     if c.connect.is_some() || c.discovery.is_some() {
         in_process_only(c)?;
     }
-    if c.mode == Mode::Push {
-        if c.digest {
-            return Err(BenchError::Config(
-                "--digest: content digests are built for pull mode only so far".into(),
-            ));
-        }
-        return push::run(c, progress);
-    }
     if c.digest {
         return with_and_without_digests(c, progress);
     }
-    pull::run(c, progress)
+    run_mode(c, progress)
 }
 
-/// `--digest`: the same pull bench without content digests, then with them; the report is
-/// the second run's, with the first's throughput and their ratio.
+/// One run of the bench in its mode.
+fn run_mode(
+    c: &BenchConfig,
+    progress: &mut dyn FnMut(u32, u32),
+) -> Result<BenchReport, BenchError> {
+    match c.mode {
+        Mode::Push => push::run(c, progress),
+        Mode::Pull => pull::run(c, progress),
+    }
+}
+
+/// `--digest`: the same bench without content digests, then with them; the report is the
+/// second run's, with the first's throughput and their ratio.
 fn with_and_without_digests(
     c: &BenchConfig,
     progress: &mut dyn FnMut(u32, u32),
 ) -> Result<BenchReport, BenchError> {
-    if c.connect.is_some() || c.discovery.is_some() {
+    if c.mode == Mode::Pull && (c.connect.is_some() || c.discovery.is_some()) {
         return Err(BenchError::Config(
-            "--digest runs both engines here (a served prefill holds no request to digest)".into(),
+            "--digest in pull mode runs both engines here (a served prefill holds no request to digest)".into(),
         ));
     }
-    let off = pull::run(
+    let off = run_mode(
         &BenchConfig {
             digest: false,
             ..c.clone()
         },
         progress,
     )?;
-    let mut on = pull::run(c, progress)?;
+    let mut on = run_mode(c, progress)?;
     on.digest_off_gb_per_s = off.gb_per_s;
     on.digest_on_to_off = on.gb_per_s / off.gb_per_s.max(1e-9);
     Ok(on)

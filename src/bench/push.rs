@@ -15,7 +15,9 @@ use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 use super::blocks::{choose, source_blocks};
 use super::discovery::{push_directory, register_push};
 use super::rank::Rank;
-use super::timing::{POLL_PAUSE, ceiling_baseline, finish, mean_piece, memcpy_baseline, ms};
+use super::timing::{
+    POLL_PAUSE, ceiling_baseline, digest_baseline, finish, mean_piece, memcpy_baseline, ms,
+};
 use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
@@ -180,6 +182,7 @@ pub(super) fn run(
     for r in 0..c.decode_tp {
         let mut cfg = PushDecodeConfig::new(r, c.decode_tp);
         cfg.request_timeout = Duration::from_secs(5);
+        cfg.digest = c.digest;
         if let Some(d) = &directory {
             cfg.directory = d.clone();
         }
@@ -211,6 +214,7 @@ pub(super) fn run(
     let mut report = BenchReport::default();
     let (mut latencies, mut measured, mut moved) = (Vec::new(), Duration::ZERO, 0u64);
     let mut metrics = PushMetrics::default();
+    let mut verified_rooms = 0u64;
     let mut next = 0u32;
     while next < total {
         let wave: Vec<u32> = (next..total.min(next + c.concurrency)).collect();
@@ -295,7 +299,18 @@ pub(super) fn run(
             wave_metrics.descriptors_posted += m.descriptors_posted;
             wave_metrics.post_time += m.post_time;
             wave_metrics.plan_time += m.plan_time;
+            wave_metrics.digest_time += m.digest_time;
             wave_metrics.backend.merge(&m.backend);
+        }
+        for d in &mut dec.workers {
+            let m = d.take_metrics();
+            if m.digest_mismatches > 0 {
+                return Err(BenchError::Verification(format!(
+                    "{} rooms failed their content digests",
+                    m.digest_mismatches
+                )));
+            }
+            verified_rooms += m.verified_rooms;
         }
         for (room, remote, local) in &jobs {
             let pairs: Vec<(u32, u32)> =
@@ -331,6 +346,7 @@ pub(super) fn run(
             metrics.descriptors_posted += wave_metrics.descriptors_posted;
             metrics.post_time += wave_metrics.post_time;
             metrics.plan_time += wave_metrics.plan_time;
+            metrics.digest_time += wave_metrics.digest_time;
             metrics.backend.merge(&wave_metrics.backend);
             report.requests += jobs.len() as u32;
         }
@@ -351,6 +367,21 @@ pub(super) fn run(
     report.post_ms_per_request = ms(metrics.post_time) / f64::from(report.requests.max(1));
     report.plan_ms_per_request = ms(metrics.plan_time) / f64::from(report.requests.max(1));
     report.library(&metrics.backend);
+    if c.digest {
+        // Every room of every decode rank checked, or the digests were not on.
+        let expected = u64::from(total) * u64::from(c.decode_tp);
+        if verified_rooms != expected {
+            return Err(BenchError::Verification(format!(
+                "{verified_rooms} rooms verified their content digests, {expected} expected"
+            )));
+        }
+        report.digest = true;
+        report.digest_gb_per_s = digest_baseline(source, moved, piece);
+        // Push digests inside the measured waves: the prefill digests a chunk before posting
+        // its WRITE.
+        report.prefill_digest_ms_per_request =
+            ms(metrics.digest_time) / f64::from(report.requests.max(1));
+    }
     finish(&mut report, c, latencies, moved, measured, memcpy, ceiling);
     Ok(report)
 }

@@ -203,9 +203,10 @@ pub(crate) enum Command {
         /// run); without it the first failure ends the run. Successes are still verified.
         #[arg(long)]
         keep_going: bool,
-        /// Pull: content digests on (the prefill digests each held block, the decode checks
-        /// what it received), run after the same bench with them off: both throughputs, their
-        /// ratio, and one thread's digest rate over the same bytes.
+        /// Content digests on (pull: the prefill digests each held block; push: each chunk
+        /// before its WRITE; the decode checks what it received), run after the same bench
+        /// with them off: both throughputs, their ratio, and one thread's digest rate over the
+        /// same bytes.
         #[arg(long)]
         digest: bool,
         #[command(flatten)]
