@@ -357,6 +357,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PushMetrics) -> PyResult<Bound<'py, Py
     d.set_item("post_time", m.post_time.as_secs_f64())?;
     d.set_item("plan_time", m.plan_time.as_secs_f64())?;
     d.set_item("digest_time", m.digest_time.as_secs_f64())?;
+    d.set_item("digested_pages", m.digested_pages)?;
     d.set_item("failed_rooms", m.failed_rooms)?;
     d.set_item("registrations", m.registrations)?;
     Ok(d)

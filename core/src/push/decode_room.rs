@@ -500,8 +500,14 @@ mod tests {
         assert!(r.note("p0.0", &last_with_fold(0, 0xa)));
         assert_eq!(settle(&mut r), RoomStatus::Transferring);
         assert_eq!(r.take_check(), None, "p1.0 has sent nothing");
-        assert!(r.note("p1.0", &kv(0, false, 0)));
         assert!(r.note("p1.0", &last_with_fold(1, 0xb)));
+        assert_eq!(settle(&mut r), RoomStatus::Transferring);
+        assert_eq!(
+            r.take_check(),
+            None,
+            "every fold, but p1.0's chunk 0 is missing"
+        );
+        assert!(r.note("p1.0", &kv(0, false, 0)));
         assert_eq!(settle(&mut r), RoomStatus::Transferring, "not checked yet");
         let mut checks = r.take_check().expect("the check");
         checks.sort_by(|a, b| a.agent.cmp(&b.agent));

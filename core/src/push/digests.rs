@@ -330,24 +330,26 @@ mod tests {
             layers: 1,
             ..ALL
         };
-        let before = [ALL, head1, layer2].map(|c| fold(&mut d, &[3, 4], c));
-        assert_eq!(
-            before
-                .iter()
-                .collect::<std::collections::HashSet<_>>()
-                .len(),
-            3
-        );
+        let layer0 = Coverage {
+            first_layer: 0,
+            layers: 1,
+            ..ALL
+        };
+        let covers = [ALL, head1, layer2, layer0];
+        let before = covers.map(|c| fold(&mut d, &[3, 4], c));
+        let distinct: std::collections::HashSet<_> = before.iter().collect();
+        assert_eq!(distinct.len(), 4);
         // Layer 0's K, page 3, token 0, head 0 (NHD: the page's first bytes).
         let spec = kv.spec;
         let (r, at) = spec
             .head_token_range(0, kvxfer_layout::Part::Key, 3, 0, 0)
             .expect("range");
         mem[r as usize][at.offset as usize] ^= 1;
-        let after = [ALL, head1, layer2].map(|c| fold(&mut d, &[3, 4], c));
+        let after = covers.map(|c| fold(&mut d, &[3, 4], c));
         assert_ne!(after[0], before[0], "the whole cache covers the byte");
         assert_eq!(after[1], before[1], "head 1 does not");
         assert_eq!(after[2], before[2], "layer 2 does not");
+        assert_ne!(after[3], before[3], "layer 0 does");
     }
 
     #[test]
@@ -365,6 +367,9 @@ mod tests {
                 .expect("refused")
                 .contains("outside")
         );
+        let none = Coverage { layers: 0, ..ALL };
+        let refused = d.start(&[0], none).err().expect("refused");
+        assert!(refused.contains("outside"), "{refused}");
         let two = Coverage { layers: 2, ..ALL };
         let mut f = Fold::new();
         let e = d.start(&[4], two).expect("start").wait_into(&mut f);

@@ -489,6 +489,16 @@ mod tests {
             }),
             "leading zeros kept"
         );
+        assert_eq!(
+            parse_note(&kv_note(7, 0, false, 0)),
+            Some(PushNote::Kv {
+                room: 7,
+                chunk: 0,
+                is_last: false,
+                pp_rank: 0,
+                digest: None,
+            })
+        );
         assert_eq!(parse_note(&aux_note(7)), Some(PushNote::Aux { room: 7 }));
         assert_eq!(
             parse_note(&state_note(7, 3)),

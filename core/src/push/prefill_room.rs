@@ -376,6 +376,18 @@ mod tests {
         );
     }
 
+    /// A destination's fold goes on across chunks; each destination has its own.
+    #[test]
+    fn each_destination_keeps_one_fold_across_chunks() {
+        let mut r = ready(2, &[("a", 2), ("b", 2)]);
+        r.fold_mut("a").add(&[1]);
+        r.fold_mut("a").add(&[2]);
+        let mut both = Fold::new();
+        both.add(&[1, 2]);
+        assert_eq!(r.fold_mut("a").value(), both.value());
+        assert_eq!(r.fold_mut("b").value(), Fold::new().value());
+    }
+
     #[test]
     fn a_room_waits_for_the_engine_and_every_destination() {
         let mut r = PrefillRoom::new(Duration::ZERO);

@@ -70,6 +70,15 @@ pub fn content_digests_verify_rooms_across_tp_stages_and_mla<F: TransportFactory
             );
             dec.mem[r].kv.verify(&pairs).expect("bytes");
         }
+        let digested: u64 = pre
+            .ranks
+            .iter_mut()
+            .map(|p| p.take_metrics().digested_pages)
+            .sum();
+        assert!(
+            digested >= SRC.len() as u64,
+            "{name}: {digested} pages digested"
+        );
     }
 }
 
@@ -95,6 +104,14 @@ fn corrupted<F: TransportFactory>(
         .corrupt_next_writes(1, restore);
     let st = run_room(&mut pre, &mut dec, 7, &SRC, &DST, 2, None, (vec![], vec![]));
     let m = dec.ranks[0].take_metrics();
+    let digested: u64 = pre
+        .ranks
+        .iter_mut()
+        .map(|p| p.take_metrics().digested_pages)
+        .sum();
+    // Two prefill ranks, each digesting every page for the one decode rank, or none.
+    let expected = if digest { 2 * SRC.len() as u64 } else { 0 };
+    assert_eq!(digested, expected, "{name}: pages digested");
     let pairs: Vec<(u32, u32)> = SRC.iter().copied().zip(DST).collect();
     assert!(
         dec.mem[0].kv.verify(&pairs).is_err(),

@@ -115,12 +115,43 @@ impl<T: Transport> PushPrefill<T> {
         {
             return Some("Mamba state takes exactly one index".into());
         }
-        if req.digest && !req.pages.is_empty() && self.bufs.kv.memory != MemoryKind::Host {
-            return Some(format!(
-                "decode {} checks content digests, which this prefill cannot compute: its KV cache is in GPU memory (no device kernel yet)",
-                req.agent
-            ));
-        }
-        None
+        digest_refusal(req, self.bufs.kv.memory)
+    }
+}
+
+/// Why a room that asks for content digests cannot have them here: KV in GPU memory (no
+/// device kernel yet). A room without pages has nothing to digest.
+fn digest_refusal(req: &RoomRequest, memory: MemoryKind) -> Option<String> {
+    (req.digest && !req.pages.is_empty() && memory != MemoryKind::Host).then(|| {
+        format!(
+            "decode {} checks content digests, which this prefill cannot compute: its KV cache is in GPU memory (no device kernel yet)",
+            req.agent
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_room_with_pages_asking_digests_of_gpu_memory_is_refused() {
+        let gpu = MemoryKind::Gpu { device: 0 };
+        let room = |digest: bool, pages: Vec<u32>| RoomRequest {
+            room: 1,
+            agent: "d0".into(),
+            pages,
+            aux_index: None,
+            state_indices: Vec::new(),
+            digest,
+        };
+        let refused = digest_refusal(&room(true, vec![1]), gpu).expect("refused");
+        assert!(
+            refused.contains("decode d0") && refused.contains("GPU"),
+            "{refused}"
+        );
+        assert_eq!(digest_refusal(&room(true, vec![1]), MemoryKind::Host), None);
+        assert_eq!(digest_refusal(&room(false, vec![1]), gpu), None);
+        assert_eq!(digest_refusal(&room(true, Vec::new()), gpu), None);
     }
 }

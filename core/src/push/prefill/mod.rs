@@ -124,6 +124,8 @@ pub struct PushMetrics {
     pub plan_time: std::time::Duration,
     /// Of which: digesting the pages sent to decodes that check content digests.
     pub digest_time: std::time::Duration,
+    /// Pages digested for decodes that check content digests (once per destination rank).
+    pub digested_pages: u64,
     /// Rooms that failed.
     pub failed_rooms: u64,
     /// Registrations received from decodes (each registers once per prefill instance).

@@ -69,9 +69,6 @@ impl<T: Transport> PushPrefill<T> {
         state_indices: &[u32],
         posted: &mut Vec<XferId>,
     ) -> Result<(), String> {
-        if dest.digest && self.digests.is_none() {
-            self.digests = Some(PageDigests::new(&self.bufs.kv));
-        }
         let d = self
             .decodes
             .get(&dest.agent)
@@ -142,10 +139,10 @@ impl<T: Transport> PushPrefill<T> {
             // The pages' digests join this destination's fold before their WRITE is posted;
             // the last chunk's note carries the fold.
             let digesting = self.clock.now();
-            let digests = match self.digests.as_mut() {
-                Some(Ok(d)) => d,
-                Some(Err(e)) => return Err(e.clone()),
-                None => return Err("content digests: not set up".into()),
+            // Set up when a decode first asks.
+            let digests = match self.digests.get_or_insert_with(|| PageDigests::new(kv)) {
+                Ok(d) => d,
+                Err(e) => return Err(e.clone()),
             };
             let cover = Coverage {
                 first_head: slice.src_first,
@@ -164,6 +161,7 @@ impl<T: Transport> PushPrefill<T> {
             self.metrics
                 .digest_time
                 .tally(self.clock.now().saturating_sub(digesting));
+            self.metrics.digested_pages.tally(pages.len() as u64);
             if is_last {
                 messages::last_kv_note_with_digest(room, chunk, pp_rank, value)
             } else {
