@@ -130,10 +130,12 @@ def fault_decodes(fault_logdir: Path) -> Iterator[dict[str, Engine]]:
 def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     """A TP 1 prefill and a TP 2 decode (UCX). vLLM's CPU workers can miss a wake-up of its
     shared-memory broadcast queue and sleep up to 5 s at a time (vLLM PR #45224), several times
-    in a row; a TP rank asleep holds up its step, so the timeouts are long."""
+    in a row; a TP rank asleep holds up its step, so the timeouts are long, and the prefill's
+    lease outlasts them both: a handshake answered after 50 s (CI, 2026-12-06) must still find
+    the blocks held, or a slow load becomes a stale reference."""
     _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-tp")
-    extra = {"handshake_timeout": 60, "transfer_timeout": 180}
+    extra = {"handshake_timeout": 60, "transfer_timeout": 180, "lease": 300}
     with running(
         [
             Engine(
