@@ -458,6 +458,15 @@ mod tests {
         r
     }
 
+    /// A room of `pages` that checks content digests, bootstrapped from `ranks` as in
+    /// [`room`].
+    fn checking(pages: Vec<u32>, ranks: Vec<RankInfo>) -> DecodeRoom {
+        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, pages, None, Vec::new());
+        r.check_digests();
+        r.bootstrapped(ranks, (0, 1), HeadSharding::Split { total_kv_heads: 2 });
+        r
+    }
+
     fn settle(r: &mut DecodeRoom) -> RoomStatus {
         r.advance(7, Duration::ZERO, WAIT);
         r.status()
@@ -483,19 +492,7 @@ mod tests {
 
     #[test]
     fn with_digests_a_complete_room_succeeds_only_once_its_check_passes() {
-        let mut r = DecodeRoom::new(
-            ("h".into(), 1),
-            Duration::ZERO,
-            vec![1, 2],
-            None,
-            Vec::new(),
-        );
-        r.check_digests();
-        r.bootstrapped(
-            prefill(2, 1),
-            (0, 1),
-            HeadSharding::Split { total_kv_heads: 2 },
-        );
+        let mut r = checking(vec![1, 2], prefill(2, 1));
         assert_eq!(r.take_check(), None, "nothing arrived");
         assert!(r.note("p0.0", &last_with_fold(0, 0xa)));
         assert_eq!(settle(&mut r), RoomStatus::Transferring);
@@ -533,13 +530,7 @@ mod tests {
 
     #[test]
     fn with_digests_a_missing_fold_or_a_failed_check_fails_the_room() {
-        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, vec![1], None, Vec::new());
-        r.check_digests();
-        r.bootstrapped(
-            prefill(1, 1),
-            (0, 1),
-            HeadSharding::Split { total_kv_heads: 2 },
-        );
+        let mut r = checking(vec![1], prefill(1, 1));
         r.checked(Ok(()));
         assert_eq!(
             r.status(),
@@ -555,13 +546,7 @@ mod tests {
         );
         assert_eq!(r.take_check(), None);
 
-        let mut r = DecodeRoom::new(("h".into(), 1), Duration::ZERO, vec![1], None, Vec::new());
-        r.check_digests();
-        r.bootstrapped(
-            prefill(1, 1),
-            (0, 1),
-            HeadSharding::Split { total_kv_heads: 2 },
-        );
+        let mut r = checking(vec![1], prefill(1, 1));
         assert!(r.note("p0.0", &last_with_fold(0, 1)));
         assert_eq!(settle(&mut r), RoomStatus::Transferring);
         let [share] = &r.take_check().expect("the check")[..] else {
