@@ -54,17 +54,7 @@ if ! "$py" -c 'import pytest, safetensors' 2>/dev/null; then
     pip install -q 'pytest>=8' safetensors
 fi
 
-# KVXFER_WHEEL: a wheel already built (the test command's set-up builds one for every venv),
-# or "none" to leave kvxfer out for now (installed by a later run).
-case "${KVXFER_WHEEL:-}" in
-    none) ;;
-    "")
-        say "kvxfer wheel from this checkout"
-        "$root/scripts/python-venv.sh" >/dev/null
-        pip install -q --no-deps --force-reinstall "$root"/target/wheels/kvxfer-*.whl
-        ;;
-    *) pip install -q --no-deps --force-reinstall "$KVXFER_WHEEL" ;;
-esac
+"$root/scripts/wheel.sh" --into "$py"
 
 models="$venv/models"
 if [ ! -f "$models/tiny-llama/model.safetensors" ]; then
