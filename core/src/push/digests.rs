@@ -87,16 +87,21 @@ impl std::fmt::Debug for Fold {
 /// Head digests being computed: one receiver per part, in page order. Each part sends its
 /// pages' digests (page-major, heads in order) once, or an error; a part whose thread died
 /// drops its sender.
-pub struct Pending(
-    Vec<Receiver<Result<Vec<u64>, String>>>,
-    Vec<Option<Vec<u64>>>,
-);
+pub struct Pending {
+    parts: Vec<Receiver<Result<Vec<u64>, String>>>,
+    got: Vec<Option<Vec<u64>>>,
+    /// The fold, once every part arrived (a room polls its writers until the last is in).
+    folded: Option<u64>,
+}
 
 impl Pending {
     /// The fold of every part's digests once all arrived (`None` while some run), or the
     /// first error.
     pub fn try_fold(&mut self) -> Option<Result<u64, String>> {
-        for (rx, got) in self.0.iter().zip(self.1.iter_mut()) {
+        if let Some(f) = self.folded {
+            return Some(Ok(f));
+        }
+        for (rx, got) in self.parts.iter().zip(self.got.iter_mut()) {
             if got.is_some() {
                 continue;
             }
@@ -109,13 +114,15 @@ impl Pending {
                 }
             }
         }
-        Some(Ok(self.fold_into(&mut Fold::new())))
+        let f = self.fold_into(&mut Fold::new());
+        self.folded = Some(f);
+        Some(Ok(f))
     }
 
     /// Waits for every part, then appends their digests to `fold` in order (the prefill's
     /// chunk, whose fold goes on).
     pub fn wait_into(mut self, fold: &mut Fold) -> Result<(), String> {
-        for (rx, got) in self.0.iter().zip(self.1.iter_mut()) {
+        for (rx, got) in self.parts.iter().zip(self.got.iter_mut()) {
             if got.is_none() {
                 *got = Some(
                     rx.recv()
@@ -128,7 +135,7 @@ impl Pending {
     }
 
     fn fold_into(&self, fold: &mut Fold) -> u64 {
-        for d in self.1.iter().flatten() {
+        for d in self.got.iter().flatten() {
             fold.add(d);
         }
         fold.value()
@@ -216,7 +223,11 @@ impl PageDigests {
             rxs.push(rx);
         }
         let n = rxs.len();
-        Ok(Pending(rxs, vec![None; n]))
+        Ok(Pending {
+            parts: rxs,
+            got: vec![None; n],
+            folded: None,
+        })
     }
 }
 
