@@ -95,6 +95,8 @@ def run_connector(name: str, a: argparse.Namespace, logdir: Path) -> dict[str, A
             connector=cls,
             env={
                 **env,
+                # vLLM's default layout (EngineCore in a process of its own), as measured.
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
                 "KVXFER_BENCH_STATS": str(stats[role]),
             },

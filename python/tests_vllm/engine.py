@@ -61,6 +61,41 @@ def reply(obj: object) -> None:
     sys.stdout.flush()
 
 
+class Commands:
+    """stdin's commands, one line each. With EngineCore in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, the test harness's default) nothing steps the engine
+    between commands, so while one is awaited this steps it as EngineCore's own busy loop
+    would in its process: while its scheduler has requests (held blocks, delayed frees,
+    loads in flight), with a 1 ms pause after a step that ran no model."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        # InprocClient.engine_core: the EngineCore itself (absent with a separate process).
+        core = getattr(engine.engine_core, "engine_core", None)
+        self.scheduler = getattr(core, "scheduler", None)
+        self.buf = b""
+
+    def __iter__(self) -> "Commands":
+        return self
+
+    def __next__(self) -> str:
+        import os
+        import select
+
+        while b"\n" not in self.buf:
+            busy = self.scheduler is not None and self.scheduler.has_requests()
+            ready, _, _ = select.select([0], [], [], 0 if busy else None)
+            if ready:
+                chunk = os.read(0, 65536)
+                if not chunk:
+                    raise StopIteration
+                self.buf += chunk
+            elif busy and not self.engine.step():
+                time.sleep(0.001)
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode()
+
+
 def main() -> None:
     role, model = sys.argv[1], sys.argv[2]
     opts, ktc = json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -86,7 +121,7 @@ def main() -> None:
     engine = llm.llm_engine
     reply({"ready": role})
     n = 0
-    for line in sys.stdin:
+    for line in Commands(engine):
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "quit":
@@ -138,7 +173,10 @@ def main() -> None:
         done: dict[str, Any] = {}
         first: dict[str, float] = {}
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            outs = engine.step()
+            if not outs:
+                time.sleep(0.001)  # as EngineCore after a step without output: threads run
+            for o in outs:
                 # vLLM may suffix the id it was given.
                 rid = next(
                     (i for i in ids if o.request_id in (i,) or o.request_id.startswith(i + "-")),
