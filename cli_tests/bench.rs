@@ -513,3 +513,51 @@ fn side_channel_key_gates_the_two_process_run() {
     assert_ne!(none.0, 0, "no key was let in: {}", none.1);
     assert!(none.2.contains("authentication"), "{}", none.2);
 }
+
+/// `--nixl-library` names the runtime (a file that is none is refused, naming it); without
+/// it or `KVXFER_NIXL_LIBRARY`, the active venv's NIXL wheel is found with nothing on the
+/// loader's path (`.venv-nixl`, which the test command sets up, standing for an engine's).
+#[test]
+fn the_nixl_runtime_comes_from_the_flag_or_the_active_venvs_wheel() {
+    let bogus = "/nonexistent/libnixl_capi.so";
+    let (code, _, err) = kvxfer(&[
+        "--nixl-library",
+        bogus,
+        "bench",
+        "--transport",
+        "nixl",
+        "--requests",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    if err.contains("built without the `nixl` feature") {
+        println!("SKIP nixl runtime choice: {}", err.trim());
+        return;
+    }
+    assert!(err.contains(&format!("{bogus} cannot be loaded")), "{err}");
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-nixl");
+    if !venv.is_dir() {
+        println!("SKIP nixl runtime from a venv: no .venv-nixl (scripts/nixl-venv.sh)");
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args(SMALL)
+        .args(["--transport", "nixl"])
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("NIXL_PLUGIN_DIR")
+        .env_remove("KVXFER_NIXL_LIBRARY")
+        .env("VIRTUAL_ENV", &venv)
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run kvxfer");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stdout.contains("all correct"), "{stdout}");
+    assert!(
+        stderr.contains("NIXL runtime: ") && stderr.contains("(the nixl_cu12 wheel of "),
+        "{stderr}"
+    );
+}

@@ -54,8 +54,8 @@ stage_table() {
 export PIP_NO_CACHE_DIR=1
 
 t0=$SECONDS
-# Debian packages, each with the check that shows it is usable. libclang: bindgen for the NIXL
-# bindings (nixl-sys) and for checking the committed UCX ones; libucx-dev (>= 1.13): the UCX
+# Debian packages, each with the check that shows it is usable. libclang: bindgen for checking
+# the committed UCX bindings (the all-features build); libucx-dev (>= 1.13): the UCX
 # headers that check reads, and the system UCX the suite runs on; ucx-utils: ucx_perftest, the UCX
 # benchmark's reference; python3-venv: the NIXL runtime's venv; etcd-server: the real etcd
 # (3.4) the discovery tests start.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the kvxfer wheel from this checkout into target/wheels and prints its path. One wheel
 # serves every venv (abi3: CPython 3.10 and later), so the set-up builds it once. Built as on
-# an operator's machine: with UCX's pkg-config file out of reach (its UCP bindings are
-# committed, the library is opened at run time), and always with the same environment, so
+# an operator's machine: with UCX's pkg-config file and libclang out of reach (the UCP
+# bindings are committed, NIXL's C API is declared in kvxfer, both libraries are opened at
+# run time), and always with the same environment, so
 # cargo's build of one call is reused by the next instead of rebuilt for a changed variable.
 # Needs .venv-py's maturin (scripts/python-venv.sh installs it, then calls this).
 # --into PY: installs the wheel into PY's environment instead: the one in KVXFER_WHEEL (the test
@@ -28,6 +29,6 @@ if [ "${1:-}" = --into ]; then
 fi
 rm -rf "$out"
 (cd "$root/python" && PATH="$root/.venv-py/bin:$PATH" CARGO_TARGET_DIR="$root/target" \
-    PKG_CONFIG_LIBDIR=/nonexistent PKG_CONFIG_PATH= \
+    PKG_CONFIG_LIBDIR=/nonexistent PKG_CONFIG_PATH= LIBCLANG_PATH=/nonexistent \
     maturin build --release -q -o "$out" >&2)
 ls "$out"/kvxfer-*.whl

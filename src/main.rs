@@ -24,5 +24,15 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    #[cfg(feature = "nixl")]
+    // SAFETY: no thread has started yet (the log subscriber starts none).
+    unsafe {
+        cli::nixl_runtime::select(cli.nixl_library.as_deref())
+    };
+    #[cfg(not(feature = "nixl"))]
+    if cli.nixl_library.is_some() {
+        eprintln!("error: --nixl-library: this kvxfer was built without the `nixl` feature");
+        return ExitCode::from(2);
+    }
     cli::commands::run(cli.command)
 }

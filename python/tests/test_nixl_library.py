@@ -51,14 +51,34 @@ def test_the_variable_wins_and_without_either_the_system_loader_decides(
     assert nixl.find() == ("/opt/nixl/libnixl_capi.so", nixl.ENV)
 
 
-def test_select_makes_a_runtime_off_the_loader_path_usable() -> None:
+def _nixl_wheel_libs() -> Path:
     found = sorted(ROOT.glob(".venv-nixl/lib/python3*/site-packages/.nixl_cu12.mesonpy.libs"))
     if not found:
         pytest.skip("no NIXL wheel in .venv-nixl: run scripts/nixl-venv.sh")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR")}
-    env[nixl.ENV] = str(found[0] / nixl.CAPI)
+    return found[0]
+
+
+def _child(code: str, env: dict[str, str]) -> list[str]:
+    """Runs `code` in a fresh interpreter (a runtime loads once per process); its stdout."""
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def _bare_env() -> dict[str, str]:
+    drop = ("LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR", nixl.ENV)
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def test_select_makes_a_wheel_off_the_loader_path_usable_after_a_refusal() -> None:
+    libs = _nixl_wheel_libs()
+    # The NIXL wheel importable (as in an engine's environment), its library off the
+    # loader's path: refused until select() loads it, then usable in the same process.
     code = (
-        "import kvxfer, kvxfer.nixl\n"
+        "import sys, kvxfer, kvxfer.nixl\n"
+        f"sys.path.insert(0, {str(libs.parent)!r})\n"
         "try:\n"
         "    kvxfer.Agent('a', 'nixl')\n"
         "except kvxfer.NotAvailableError:\n"
@@ -67,19 +87,26 @@ def test_select_makes_a_runtime_off_the_loader_path_usable() -> None:
         "kvxfer.Agent('b', 'nixl').shutdown()\n"
         "import os; print(os.environ['NIXL_PLUGIN_DIR'])\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == [
+    assert _child(code, _bare_env()) == [
         "not available before",
-        nixl.ENV,
-        str(found[0] / "plugins"),
+        "the nixl_cu12 wheel",
+        str(libs / "plugins"),
     ]
 
 
-def test_a_missing_file_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(nixl.ENV, "/nonexistent/libnixl_capi.so")
-    monkeypatch.setattr(nixl, "_loaded", None)
-    with pytest.raises(ValueError, match="no such file '/nonexistent/libnixl_capi.so'"):
-        nixl.select()
+def test_the_variable_alone_opens_its_runtime_in_rust_too() -> None:
+    """KVXFER_NIXL_LIBRARY is read by the transport itself (the CLI, a Rust program), not
+    only by kvxfer.nixl; a file that is no runtime is refused naming it. (UCX_MODULES as
+    kvxfer.nixl.select() and the CLI set it: the wheel's UCX without InfiniBand modules.)"""
+    libs = _nixl_wheel_libs()
+    code = "import kvxfer\nkvxfer.Agent('a', 'nixl').shutdown()\nprint('available')\n"
+    env = {**_bare_env(), nixl.ENV: str(libs / nixl.CAPI), "UCX_MODULES": "^ib*"}
+    assert _child(code, env) == ["available"]
+    code = (
+        "import kvxfer\n"
+        "try:\n"
+        "    kvxfer.Agent('a', 'nixl')\n"
+        "except kvxfer.NotAvailableError as e:\n"
+        "    print('/nonexistent/libnixl_capi.so cannot be loaded' in str(e))\n"
+    )
+    assert _child(code, {**_bare_env(), nixl.ENV: "/nonexistent/libnixl_capi.so"}) == ["True"]

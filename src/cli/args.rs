@@ -23,6 +23,11 @@ pub(crate) struct Cli {
     /// the command line win. See kvxfer.example.toml.
     #[arg(long, global = true, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
+    /// The NIXL runtime (`libnixl_capi.so`) the `nixl` transport opens. Without it:
+    /// `KVXFER_NIXL_LIBRARY`, else the NIXL wheel of the active Python environment
+    /// (`VIRTUAL_ENV`), else the loader's path.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) nixl_library: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -2,3 +2,5 @@
 
 pub(crate) mod args;
 pub(crate) mod commands;
+#[cfg(feature = "nixl")]
+pub(crate) mod nixl_runtime;

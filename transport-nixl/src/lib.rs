@@ -1,14 +1,19 @@
 //! # kvxfer-transport-nixl
 //!
-//! The transport contract over NVIDIA NIXL (feature `nixl`). `nixl-sys` is built with its
-//! stub API and loads `libnixl_capi.so` at run time — and aborts the process if it is
-//! missing — so [`runtime_available`] probes for the library first and every constructor
-//! returns a typed "not available" error, with the install hint, instead.
+//! The transport contract over NVIDIA NIXL (feature `nixl`). NIXL's C API
+//! (`libnixl_capi.so`, shipped by every NIXL wheel) is declared in [`capi`] and opened at
+//! run time, so building needs neither NIXL nor libclang: without the runtime, every
+//! constructor returns a typed "not available" error with the install hint.
 //!
 //! Thread model: one [`NixlTransport`] is driven by one thread at a time (`&mut self`), as
-//! the contract says; NIXL's own agent lock serializes post, status and notification calls.
+//! the contract says; every call into the NIXL agent takes the agent's lock (registrations
+//! are released from whichever thread drops their guard).
 #![warn(missing_docs)]
 
+#[cfg(feature = "nixl")]
+mod agent;
+#[cfg(feature = "nixl")]
+mod capi;
 pub mod metadata;
 #[cfg(feature = "nixl")]
 mod transport;
@@ -19,18 +24,15 @@ pub use transport::{NixlConfig, NixlTransport};
 /// How to get the runtime (see `scripts/nixl-venv.sh`).
 pub const INSTALL_HINT: &str = "install it with `scripts/nixl-venv.sh` (pip package nixl-cu12==1.5.1) and export the LD_LIBRARY_PATH and NIXL_PLUGIN_DIR it prints";
 
-/// Whether the NIXL runtime library can be loaded in this process.
+/// Whether the NIXL runtime can be opened in this process: `KVXFER_NIXL_LIBRARY` when set,
+/// else `libnixl_capi.so` (the one already loaded under that name, or the loader's search
+/// path), with every entry point kvxfer calls.
 pub fn runtime_available() -> Result<(), String> {
     #[cfg(feature = "nixl")]
     {
-        // SAFETY: loading the NIXL C API library runs its initialisers, as any NIXL user does;
-        // the handle is dropped right after (the stub loader opens it again).
-        match unsafe { libloading::Library::new("libnixl_capi.so") } {
-            Ok(_) => Ok(()),
-            Err(e) => Err(format!(
-                "libnixl_capi.so cannot be loaded ({e}); {INSTALL_HINT}"
-            )),
-        }
+        capi::api()
+            .map(|_| ())
+            .map_err(|e| format!("{e}; {INSTALL_HINT}"))
     }
     #[cfg(not(feature = "nixl"))]
     {

@@ -10,12 +10,13 @@ use kvxfer_core::{
     AddrRange, Capabilities, DescListId, MemoryKind, Notification, Op, PeerId, Transport,
     TransportError, TransportResult, XferId, XferStatus, XferTelemetry,
 };
-use nixl_sys::{
-    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferDlistHandle, XferOp, XferRequest,
-};
+use std::ffi::c_int;
 
-use crate::{INSTALL_HINT, metadata, runtime_available};
+use crate::agent::{
+    Agent, AgentSettings, Backend, DescList, OptArgs, Prepared, Registered, Request,
+};
+use crate::capi::{self, Api};
+use crate::{INSTALL_HINT, metadata};
 
 /// Settings of a NIXL agent.
 #[derive(Debug, Clone)]
@@ -52,41 +53,10 @@ impl Default for NixlConfig {
     }
 }
 
-/// A raw memory range handed to NIXL for registration.
-#[derive(Debug)]
-struct Raw {
-    addr: u64,
-    len: u64,
-    kind: MemoryKind,
-}
-
-impl MemoryRegion for Raw {
-    unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
-    }
-
-    fn size(&self) -> usize {
-        self.len as usize
-    }
-}
-
-impl NixlDescriptor for Raw {
-    fn mem_type(&self) -> MemType {
-        mem_type(self.kind)
-    }
-
-    fn device_id(&self) -> u64 {
-        match self.kind {
-            MemoryKind::Host => 0,
-            MemoryKind::Gpu { device } => device.into(),
-        }
-    }
-}
-
-fn mem_type(kind: MemoryKind) -> MemType {
+fn mem_type(kind: MemoryKind) -> c_int {
     match kind {
-        MemoryKind::Host => MemType::Dram,
-        MemoryKind::Gpu { .. } => MemType::Vram,
+        MemoryKind::Host => capi::MEM_DRAM,
+        MemoryKind::Gpu { .. } => capi::MEM_VRAM,
     }
 }
 
@@ -97,24 +67,19 @@ fn dev(kind: MemoryKind) -> u64 {
     }
 }
 
-fn backend_err(what: &str, e: nixl_sys::NixlError) -> TransportError {
+fn backend_err(what: &str, e: crate::agent::Error) -> TransportError {
     TransportError::Backend(format!("NIXL {what}: {e}"))
 }
 
 /// Registered regions, shared with the registration guards.
 #[derive(Default)]
 struct Regions {
-    handles: Mutex<HashMap<u64, (MemoryKind, AddrRange, RegistrationHandle)>>,
+    handles: Mutex<HashMap<u64, (MemoryKind, AddrRange, Registered)>>,
 }
-
-// SAFETY: a RegistrationHandle holds an Arc to the agent and plain integers; NIXL's agent is
-// internally locked, and the handle is only used to deregister.
-unsafe impl Send for Regions {}
-unsafe impl Sync for Regions {}
 
 impl Deregister for Regions {
     fn deregister(&self, id: RegistrationId) {
-        // Dropping the NIXL handle deregisters the memory.
+        // Dropping the registration deregisters the memory.
         let removed = self
             .handles
             .lock()
@@ -149,7 +114,7 @@ struct Peer {
 }
 
 struct Xfer {
-    req: Option<XferRequest>,
+    req: Option<Request>,
     failed: Option<String>,
 }
 
@@ -157,15 +122,12 @@ struct Xfer {
 /// no per-descriptor lookup, NIXL's fast path.
 struct NativeList {
     peer: Option<PeerId>,
-    handle: XferDlistHandle,
+    handle: Prepared,
 }
-
-// SAFETY: the handle is an opaque pointer NIXL owns, used and released only through the
-// agent (internally locked) by the one thread that drives this transport at a time.
-unsafe impl Send for NativeList {}
 
 /// One NIXL agent.
 pub struct NixlTransport {
+    api: &'static Api,
     agent: Agent,
     backend: Backend,
     name: String,
@@ -187,29 +149,20 @@ impl NixlTransport {
     /// A new agent with explicit settings. Fails with `NotAvailable` (never aborts) when the
     /// runtime is missing, and lists the available backends when the asked one is not.
     pub fn with_config(name: &str, config: NixlConfig) -> TransportResult<Self> {
-        runtime_available().map_err(|reason| TransportError::NotAvailable {
+        let api = capi::api().map_err(|reason| TransportError::NotAvailable {
             what: "the NIXL runtime".into(),
-            reason,
+            reason: format!("{reason}; {INSTALL_HINT}"),
         })?;
         // Always the configured constructor: the plain one starts the progress thread
         // whatever was asked.
-        let cfg = nixl_sys::AgentConfig {
-            enable_prog_thread: config.progress_thread,
-            thread_sync: nixl_sys::ThreadSync::Default,
-            pthr_delay_us: config.progress_delay_us,
-            capture_telemetry: config.telemetry,
-            ..nixl_sys::AgentConfig::default()
+        let settings = AgentSettings {
+            progress_thread: config.progress_thread,
+            progress_delay_us: config.progress_delay_us,
+            telemetry: config.telemetry,
         };
         let agent =
-            Agent::new_configured(name, &cfg).map_err(|e| backend_err("agent creation", e))?;
-        let plugins: Vec<String> = agent
-            .get_available_plugins()
-            .map(|l| {
-                l.iter()
-                    .filter_map(|p| p.ok().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default();
+            Agent::new(api, name, settings).map_err(|e| backend_err("agent creation", e))?;
+        let plugins = agent.plugins().unwrap_or_default();
         if !plugins.contains(&config.backend) {
             return Err(TransportError::NotAvailable {
                 what: format!("NIXL backend {:?}", config.backend),
@@ -218,13 +171,11 @@ impl NixlTransport {
                 ),
             });
         }
-        let (_mems, params) = agent
-            .get_plugin_params(&config.backend)
-            .map_err(|e| backend_err("plugin parameters", e))?;
         let backend = agent
-            .create_backend(&config.backend, &params)
+            .create_backend(&config.backend)
             .map_err(|e| backend_err("backend creation", e))?;
         Ok(NixlTransport {
+            api,
             agent,
             backend,
             name: name.to_string(),
@@ -287,21 +238,18 @@ impl NixlTransport {
     }
 
     fn opt_args(&self, notification: Option<&[u8]>) -> TransportResult<OptArgs> {
-        let mut args = OptArgs::new().map_err(|e| backend_err("options", e))?;
-        args.add_backend(&self.backend)
-            .map_err(|e| backend_err("options", e))?;
-        if let Some(n) = notification {
-            within(
-                "notification bytes",
-                n.len(),
-                self.config.max_notification_len,
-            )?;
-            args.set_notification_message(n)
-                .map_err(|e| backend_err("notification", e))?;
-            args.set_has_notification(true)
-                .map_err(|e| backend_err("notification", e))?;
+        match notification {
+            None => OptArgs::new(self.api, self.backend).map_err(|e| backend_err("options", e)),
+            Some(n) => {
+                within(
+                    "notification bytes",
+                    n.len(),
+                    self.config.max_notification_len,
+                )?;
+                OptArgs::with_notification(self.api, self.backend, n)
+                    .map_err(|e| backend_err("notification", e))
+            }
         }
-        Ok(args)
     }
 
     fn submit(
@@ -319,7 +267,7 @@ impl NixlTransport {
             // NIXL refuses empty transfers: deliver the notification alone, as "done".
             if let Some(n) = notification {
                 self.agent
-                    .send_notification(peer_name, n, Some(&self.backend))
+                    .notify(peer_name, n, self.backend)
                     .map_err(|e| backend_err("notification", e))?;
             }
             self.xfers.insert(
@@ -331,18 +279,18 @@ impl NixlTransport {
             );
             return Ok(id);
         }
-        let l = desc_list(kinds.0, local)?;
-        let r = desc_list(kinds.1, remote)?;
+        let l = desc_list(self.api, kinds.0, local)?;
+        let r = desc_list(self.api, kinds.1, remote)?;
         let req = self
             .agent
-            .create_xfer_req(xfer_op(op), &l, &r, peer_name, Some(&args))
+            .create_request(xfer_op(op), &l, &r, peer_name, &args)
             .map_err(|e| backend_err("transfer creation", e))?;
         Ok(self.launch(id, req, &args))
     }
 
     /// Posts a created request and records it under `id`; a post error makes it `Failed`.
-    fn launch(&mut self, id: XferId, req: XferRequest, args: &OptArgs) -> XferId {
-        let failed = match self.agent.post_xfer_req(&req, Some(args)) {
+    fn launch(&mut self, id: XferId, req: Request, args: &OptArgs) -> XferId {
+        let failed = match self.agent.post(&req, args) {
             Ok(_) => None,
             Err(e) => Some(format!("NIXL post failed: {e}")),
         };
@@ -378,29 +326,33 @@ impl NixlTransport {
                 .clone(),
             None => String::new(),
         };
-        let list = desc_list(kind, ranges)?;
-        let args = self.opt_args(None)?;
+        let list = desc_list(self.api, kind, ranges)?;
         let handle = self
             .agent
-            .prepare_xfer_dlist(&owner, &list, Some(&args))
+            .prepare(&owner, &list, self.backend)
             .map_err(|e| backend_err("list preparation", e))?;
         self.native.insert(id, NativeList { peer, handle });
         Ok(())
     }
 }
 
-fn xfer_op(op: Op) -> XferOp {
+fn xfer_op(op: Op) -> c_int {
     match op {
-        Op::Read => XferOp::Read,
-        Op::Write => XferOp::Write,
+        Op::Read => capi::OP_READ,
+        Op::Write => capi::OP_WRITE,
     }
 }
 
 /// A NIXL descriptor list of `ranges`.
-fn desc_list(kind: MemoryKind, ranges: &[AddrRange]) -> TransportResult<XferDescList<'_>> {
-    let mut l = XferDescList::new(mem_type(kind)).map_err(|e| backend_err("descriptor list", e))?;
+fn desc_list(
+    api: &'static Api,
+    kind: MemoryKind,
+    ranges: &[AddrRange],
+) -> TransportResult<DescList> {
+    let err = |e| backend_err("descriptor list", e);
+    let mut l = DescList::new(api, mem_type(kind)).map_err(err)?;
     for a in ranges {
-        l.add_desc(a.addr as usize, a.len as usize, dev(kind));
+        l.push(api, a.addr, a.len, dev(kind)).map_err(err)?;
     }
     Ok(l)
 }
@@ -432,17 +384,15 @@ impl Transport for NixlTransport {
             });
         }
         new_region(range, self.regions.list().into_iter().map(|(_, r)| r))?;
-        let raw = Raw {
-            addr: range.addr,
-            len: range.len,
-            kind,
-        };
-        let mut args = OptArgs::new().map_err(|e| backend_err("options", e))?;
-        args.add_backend(&self.backend)
-            .map_err(|e| backend_err("options", e))?;
         let handle = self
             .agent
-            .register_memory(&raw, Some(&args))
+            .register(
+                mem_type(kind),
+                range.addr,
+                range.len,
+                dev(kind),
+                self.backend,
+            )
             .map_err(|e| backend_err("registration", e))?;
         let id = self.next();
         self.regions
@@ -457,7 +407,7 @@ impl Transport for NixlTransport {
     fn metadata(&self) -> TransportResult<Vec<u8>> {
         let nixl = self
             .agent
-            .get_local_md()
+            .local_metadata()
             .map_err(|e| backend_err("metadata", e))?;
         Ok(metadata::encode(&self.name, &self.regions.list(), &nixl))
     }
@@ -472,7 +422,7 @@ impl Transport for NixlTransport {
             // Same name: a restart or a refresh. Drop the old one and its lists.
             self.remove_peer(id)?;
         }
-        let loaded = self.agent.load_remote_md(nixl).map_err(|e| {
+        let loaded = self.agent.load_remote(nixl).map_err(|e| {
             TransportError::InvalidMetadata(format!("NIXL refused the metadata: {e}"))
         })?;
         if loaded != name {
@@ -487,7 +437,7 @@ impl Transport for NixlTransport {
 
     fn native_metadata(&self) -> TransportResult<Vec<u8>> {
         self.agent
-            .get_local_md()
+            .local_metadata()
             .map_err(|e| backend_err("metadata", e))
     }
 
@@ -510,7 +460,7 @@ impl Transport for NixlTransport {
                 )));
             }
         }
-        let name = self.agent.load_remote_md(metadata).map_err(|e| {
+        let name = self.agent.load_remote(metadata).map_err(|e| {
             TransportError::InvalidMetadata(format!("NIXL refused the peer's metadata: {e}"))
         })?;
         if let Some((&old, _)) = self.peers.iter().find(|(_, p)| p.name == name) {
@@ -539,7 +489,7 @@ impl Transport for NixlTransport {
         self.lists.forget_peer(peer);
         // Prepared handles go before NIXL forgets the metadata they point into.
         self.native.retain(|_, l| l.peer != Some(peer));
-        let _ = self.agent.invalidate_remote_md(&p.name);
+        let _ = self.agent.invalidate_remote(&p.name);
         Ok(())
     }
 
@@ -599,17 +549,29 @@ impl Transport for NixlTransport {
             // Empty lists have no NIXL handle: the transfer is empty too.
             return self.submit(op, &peer_name, x.kinds, &[], &[], notification);
         };
-        let as_i32 = |idx: &[u32]| idx.iter().map(|&i| i as i32).collect::<Vec<i32>>();
+        // NIXL takes C ints: an index past i32::MAX (a list that long) is refused.
+        let as_c = |idx: &[u32]| -> TransportResult<Vec<c_int>> {
+            idx.iter()
+                .map(|&i| {
+                    c_int::try_from(i).map_err(|_| TransportError::TooLarge {
+                        what: "descriptor index",
+                        count: i as usize,
+                        limit: c_int::MAX as usize,
+                    })
+                })
+                .collect()
+        };
+        let (local_c, remote_c) = (as_c(local_idx)?, as_c(remote_idx)?);
         let args = self.opt_args(notification)?;
         let req = self
             .agent
-            .make_xfer_req(
+            .make_request(
                 xfer_op(op),
                 &l.handle,
-                &as_i32(local_idx),
+                &local_c,
                 &r.handle,
-                &as_i32(remote_idx),
-                Some(&args),
+                &remote_c,
+                &args,
             )
             .map_err(|e| backend_err("indexed transfer creation", e))?;
         let id = XferId(self.next());
@@ -643,9 +605,9 @@ impl Transport for NixlTransport {
         let Some(req) = &x.req else {
             return Ok(XferStatus::Done);
         };
-        match self.agent.get_xfer_status(req) {
-            Ok(nixl_sys::XferStatus::Success) => Ok(XferStatus::Done),
-            Ok(nixl_sys::XferStatus::InProgress) => Ok(XferStatus::InProgress),
+        match self.agent.done(req) {
+            Ok(true) => Ok(XferStatus::Done),
+            Ok(false) => Ok(XferStatus::InProgress),
             Err(e) => {
                 let reason = format!("NIXL transfer error: {e}");
                 x.failed = Some(reason.clone());
@@ -672,7 +634,8 @@ impl Transport for NixlTransport {
         if !self.config.telemetry {
             return None;
         }
-        let t = self.xfers.get(&xfer)?.req.as_ref()?.get_telemetry().ok()?;
+        let req = self.xfers.get(&xfer)?.req.as_ref()?;
+        let t = self.agent.telemetry(req).ok()?;
         Some(XferTelemetry {
             post: Duration::from_micros(t.post_duration_us),
             transfer: Duration::from_micros(t.xfer_duration_us),
@@ -692,32 +655,21 @@ impl Transport for NixlTransport {
             .get(&peer)
             .ok_or(TransportError::UnknownPeer(peer))?;
         self.agent
-            .send_notification(&p.name, message, Some(&self.backend))
+            .notify(&p.name, message, self.backend)
             .map_err(|e| backend_err("notification", e))
     }
 
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) -> TransportResult<usize> {
-        let mut map = NotificationMap::new().map_err(|e| backend_err("notifications", e))?;
-        self.agent
-            .get_notifications(&mut map, None)
+        let got = self
+            .agent
+            .notifications()
             .map_err(|e| backend_err("notifications", e))?;
-        let agents: Vec<String> = map
-            .agents()
-            .filter_map(|a| a.ok().map(str::to_string))
-            .collect();
-        let before = out.len();
-        for agent in agents {
-            let n = map.get_notifications_size(&agent).unwrap_or(0);
-            for i in 0..n {
-                if let Ok(message) = map.get_notification_bytes(&agent, i) {
-                    out.push(Notification {
-                        from: agent.clone(),
-                        message,
-                    });
-                }
-            }
-        }
-        Ok(out.len() - before)
+        let n = got.len();
+        out.extend(
+            got.into_iter()
+                .map(|(from, message)| Notification { from, message }),
+        );
+        Ok(n)
     }
 }
 
