@@ -866,3 +866,66 @@ fn a_refused_load_fails_at_once_with_its_blocks() {
     assert_eq!(dec.workers[0].take_metrics().failed_setups, 1);
     dec.caches[0].verify(&[]).expect("nothing written");
 }
+
+/// Handshakes that fail one after another (a prefill that is unreachable, again and again):
+/// each thread is joined once it ended, so a decode that reconnects for days keeps a bounded
+/// number of them, not one per handshake (each held its stack and guard page until shutdown).
+#[test]
+fn handshake_threads_are_joined_as_they_end() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let mut dec = engine(
+        "hsthreads-D",
+        &model,
+        1,
+        false,
+        clock(),
+        &lb,
+        &|c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_millis(20),
+    );
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_block_ids: Some(vec![vec![1]]),
+        remote_engine_id: Some("unreachable".into()),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(port),
+        ..Default::default()
+    };
+    // Two handshakes in flight (two engines): both threads are counted while they run.
+    let mut two = engine(
+        "hsthreads-D2",
+        &model,
+        1,
+        false,
+        clock(),
+        &lb,
+        &|c: &mut PullConfig| c.handshake_timeout = std::time::Duration::from_secs(5),
+    );
+    for (i, id) in ["u1", "u2"].into_iter().enumerate() {
+        let p = KvTransferParams {
+            remote_engine_id: Some(id.into()),
+            ..params.clone()
+        };
+        two.start_load(&format!("t{i}"), &p, &[5], 4);
+    }
+    assert_eq!(two.workers[0].handshake_threads(), 2);
+    const HANDSHAKES: usize = 300;
+    let mut most = 0;
+    for i in 0..HANDSHAKES {
+        dec.start_load(&format!("r{i}"), &params, &[5], 4);
+        poll_until(&mut [&mut dec], |_, f| !f[0].failed.is_empty());
+        most = most.max(dec.workers[0].handshake_threads());
+    }
+    assert!(
+        most <= 2,
+        "{most} handshake threads kept after {HANDSHAKES}"
+    );
+    assert_eq!(
+        dec.workers[0].take_metrics().failed_handshakes,
+        HANDSHAKES as u64
+    );
+}

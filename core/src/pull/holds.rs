@@ -95,6 +95,18 @@ impl Holds {
         now: Duration,
         freed: &mut Vec<String>,
     ) -> bool {
+        // A held request whose id starts with a heartbeat prefix: its read note looks like a
+        // heartbeat. (Arriving before its hold, it is taken as the heartbeat, renews nothing,
+        // and the blocks wait for their lease.)
+        if let Some((req_id, readers)) = super::notify::also_read(note)
+            && self.held.contains_key(&req_id)
+        {
+            let read = PullNote::Read {
+                req_id: &req_id,
+                readers,
+            };
+            return self.note(from, &read, now, freed);
+        }
         match *note {
             PullNote::Read { req_id, readers } => {
                 if let Some(mut held) = self.held.remove(req_id) {
@@ -254,6 +266,29 @@ mod tests {
         h.hold("r", Duration::ZERO, &mut freed);
         assert_eq!(freed, ["r"], "the early note did not count");
         assert_eq!((h.held(), h.early()), (0, 0));
+    }
+
+    /// A client's request id that starts with `HB:` or `kvxfer-hb:`: its read-done note
+    /// frees it (it was read as a heartbeat and the blocks waited for the lease), while a
+    /// heartbeat for requests held here still renews them.
+    #[test]
+    fn read_notes_of_ids_with_a_heartbeat_prefix_free_their_holds() {
+        let mut h = Holds::new(LEASE);
+        let mut freed = Vec::new();
+        let t = |s| Duration::from_secs(s);
+        for id in ["HB:x", "kvxfer-hb:y", "a"] {
+            h.hold(id, t(0), &mut freed);
+        }
+        for id in ["HB:x", "kvxfer-hb:y"] {
+            let msg = super::super::notify::read_done(id, 1);
+            let note = super::super::notify::parse(&msg).expect("parses");
+            assert!(h.note("d", &note, t(1), &mut freed), "{id}");
+        }
+        assert_eq!(freed, ["HB:x", "kvxfer-hb:y"]);
+        let hb = super::super::notify::parse(b"HB:a").expect("parses");
+        assert!(h.note("d", &hb, t(10), &mut freed));
+        assert_eq!(h.expire(t(30), &mut freed), 0, "a was renewed");
+        assert_eq!(h.held(), 1);
     }
 
     #[test]

@@ -52,6 +52,22 @@ pub fn vllm_heartbeat<'a>(req_ids: &[&'a str]) -> (Option<Vec<u8>>, Vec<&'a str>
     (note, left_out)
 }
 
+/// The read note a heartbeat's text also reads as, if any: its request id and reader count.
+/// Request ids are the client's to choose (vLLM takes `X-Request-Id`), so one may start with
+/// a heartbeat prefix, and its read note (`{req_id}:{readers}`, vLLM's format) then parses
+/// as a heartbeat; the prefill reads it so when it holds that request (see
+/// [`crate::pull::holds::Holds::note`]).
+pub fn also_read(note: &PullNote<'_>) -> Option<(String, u32)> {
+    let (prefix, body) = match *note {
+        PullNote::Read { .. } => return None,
+        PullNote::Heartbeat { req_id } => (HEARTBEAT_PREFIX, req_id),
+        PullNote::Heartbeats { req_ids } => (VLLM_HEARTBEAT_PREFIX, req_ids),
+    };
+    let (rest, readers) = body.rsplit_once(':')?;
+    let readers: u32 = readers.parse().ok()?;
+    (readers > 0).then(|| (format!("{prefix}{rest}"), readers))
+}
+
 /// Parses a notification; anything else is `None` (dropped and counted by the caller).
 pub fn parse(message: &[u8]) -> Option<PullNote<'_>> {
     let text = std::str::from_utf8(message).ok()?;
@@ -106,6 +122,28 @@ mod tests {
         ] {
             assert_eq!(parse(junk), None, "{junk:?}");
         }
+    }
+
+    /// A request whose id starts with a heartbeat prefix: its read note parses as a
+    /// heartbeat and also as its read note; a plain heartbeat reads as nothing else.
+    #[test]
+    fn a_read_note_of_an_id_with_a_heartbeat_prefix_also_reads_as_itself() {
+        for id in ["HB:x", "kvxfer-hb:y", "HB:a:b", "HB:"] {
+            let msg = read_done(id, 2);
+            let note = parse(&msg).expect("parses");
+            assert!(!matches!(note, PullNote::Read { .. }), "{note:?}");
+            assert_eq!(also_read(&note), Some((id.to_string(), 2)), "{id}");
+        }
+        for plain in [&b"HB:a,b"[..], b"kvxfer-hb:r", b"HB:a:0", b"HB:a:x"] {
+            assert_eq!(also_read(&parse(plain).expect("parses")), None, "{plain:?}");
+        }
+        assert_eq!(
+            also_read(&PullNote::Read {
+                req_id: "r",
+                readers: 1
+            }),
+            None
+        );
     }
 
     /// vLLM splits a heartbeat at commas: an id holding one, or an empty one, is left out

@@ -75,6 +75,7 @@ impl<T: Transport> PullWorker<T> {
                     result,
                 });
             });
+        self.join_finished_handshakes();
         match spawned {
             Ok(t) => self.threads.push(t),
             Err(e) => {
@@ -86,7 +87,20 @@ impl<T: Transport> PullWorker<T> {
             }
         }
     }
+    /// Joins the handshake threads that ended: each holds its stack and guard page until
+    /// joined, and a decode that reconnects for days would otherwise keep them all.
+    fn join_finished_handshakes(&mut self) {
+        let (ended, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.threads)
+            .into_iter()
+            .partition(|t| t.is_finished());
+        self.threads = running;
+        for t in ended {
+            let _ = t.join();
+        }
+    }
+
     pub(super) fn on_handshake(&mut self, outcome: Outcome) {
+        self.join_finished_handshakes();
         let queued = self.queued.remove(&outcome.engine_id).unwrap_or_default();
         let clock_offset = outcome
             .result

@@ -404,6 +404,11 @@ impl<T: Transport> PullWorker<T> {
     pub fn loads_awaiting_holds(&self) -> usize {
         self.loads.values().filter(|l| l.hold_pending).count()
     }
+    /// Handshake threads not yet joined: those still running, and any that ended since the
+    /// last handshake started or answered (tests: flat however many handshakes ran).
+    pub fn handshake_threads(&self) -> usize {
+        self.threads.len()
+    }
     /// Notifications that were not kvxfer pull messages (dropped and counted).
     pub fn unknown_notifications(&self) -> u64 {
         self.unknown_notifications
