@@ -39,6 +39,15 @@ fn check(what: &'static str, status: Status) -> Result<()> {
     }
 }
 
+/// A handle or buffer a successful call left null: NIXL broke its own contract.
+fn non_null<T>(what: &'static str, p: *mut T) -> Result<()> {
+    if p.is_null() {
+        Err(Error { what, status: -2 })
+    } else {
+        Ok(())
+    }
+}
+
 /// A string NIXL is handed: one with an interior NUL cannot name anything NIXL knows.
 fn c_string(what: &'static str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error { what, status: -1 })
@@ -58,9 +67,7 @@ impl Owned {
     ) -> Result<Owned> {
         let mut handle = ptr::null_mut();
         check(what, create(&mut handle))?;
-        if handle.is_null() {
-            return Err(Error { what, status: -2 });
-        }
+        non_null(what, handle)?;
         Ok(Owned { handle, destroy })
     }
 }
@@ -151,12 +158,7 @@ impl Agent {
         check("agent creation", unsafe {
             (api.nixl_capi_create_configured_agent)(c_name.as_ptr(), &cfg, &mut handle)
         })?;
-        if handle.is_null() {
-            return Err(Error {
-                what: "agent creation",
-                status: -2,
-            });
-        }
+        non_null("agent creation", handle)?;
         Ok(Agent {
             inner: Arc::new(Inner {
                 api,
@@ -224,12 +226,7 @@ impl Agent {
         check("backend creation", unsafe {
             (api.nixl_capi_create_backend)(*agent, c_plugin.as_ptr(), params.handle, &mut backend)
         })?;
-        if backend.is_null() {
-            return Err(Error {
-                what: "backend creation",
-                status: -2,
-            });
-        }
+        non_null("backend creation", backend)?;
         self.inner
             .backends
             .lock()
@@ -248,12 +245,7 @@ impl Agent {
         check("metadata", unsafe {
             (api.nixl_capi_get_local_md)(*agent, &mut data, &mut len)
         })?;
-        if data.is_null() {
-            return Err(Error {
-                what: "metadata",
-                status: -2,
-            });
-        }
+        non_null("metadata", data)?;
         // SAFETY: `len` bytes at `data`, ours until freed.
         let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
         // SAFETY: allocated by NIXL with malloc, freed once.
@@ -276,12 +268,7 @@ impl Agent {
                 &mut name,
             )
         })?;
-        if name.is_null() {
-            return Err(Error {
-                what: "loading a peer's metadata",
-                status: -2,
-            });
-        }
+        non_null("loading a peer's metadata", name)?;
         // SAFETY: NUL-terminated (a peer's bytes: not necessarily UTF-8), freed once.
         let s = unsafe { CStr::from_ptr(name) }
             .to_string_lossy()
@@ -364,12 +351,7 @@ impl Agent {
                 args.0.handle,
             )
         })?;
-        if handle.is_null() {
-            return Err(Error {
-                what: "list preparation",
-                status: -2,
-            });
-        }
+        non_null("list preparation", handle)?;
         Ok(Prepared {
             agent: self.clone(),
             handle,
@@ -434,9 +416,7 @@ impl Agent {
     }
 
     fn request(&self, what: &'static str, req: Handle) -> Result<Request> {
-        if req.is_null() {
-            return Err(Error { what, status: -2 });
-        }
+        non_null(what, req)?;
         Ok(Request {
             agent: self.clone(),
             handle: req,
