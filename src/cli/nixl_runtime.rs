@@ -4,6 +4,7 @@
 //! (`VIRTUAL_ENV`; `nixl-cu13` before `nixl-cu12`, as `kvxfer.nixl` looks), else
 //! `libnixl_capi.so` on the loader's path.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// The wheels looked in, preferred first.
@@ -12,11 +13,16 @@ const CAPI: &str = "libnixl_capi.so";
 const VARIABLE: &str = "KVXFER_NIXL_LIBRARY";
 
 /// The runtime to open and where it came from, or `None`: the loader's path decides.
-pub(crate) fn find(flag: Option<&Path>, venv: Option<&Path>) -> Option<(PathBuf, String)> {
+/// `variable` is `KVXFER_NIXL_LIBRARY`'s value (empty counts as unset), `venv` `VIRTUAL_ENV`'s.
+pub(crate) fn find(
+    flag: Option<&Path>,
+    variable: Option<OsString>,
+    venv: Option<&Path>,
+) -> Option<(PathBuf, String)> {
     if let Some(p) = flag {
         return Some((p.to_path_buf(), "--nixl-library".into()));
     }
-    if let Some(p) = std::env::var_os(VARIABLE).filter(|p| !p.is_empty()) {
+    if let Some(p) = variable.filter(|p| !p.is_empty()) {
         return Some((PathBuf::from(p), VARIABLE.into()));
     }
     let venv = venv?;
@@ -52,7 +58,7 @@ pub(crate) fn find(flag: Option<&Path>, venv: Option<&Path>) -> Option<(PathBuf,
 /// Sets environment variables: call it while the process has one thread.
 pub(crate) unsafe fn select(flag: Option<&Path>) {
     let venv = std::env::var_os("VIRTUAL_ENV").map(PathBuf::from);
-    let Some((path, source)) = find(flag, venv.as_deref()) else {
+    let Some((path, source)) = find(flag, std::env::var_os(VARIABLE), venv.as_deref()) else {
         return;
     };
     tracing::info!("NIXL runtime: {} ({source})", path.display());
@@ -89,26 +95,31 @@ mod tests {
     }
 
     #[test]
-    fn the_flag_wins_then_the_active_venvs_wheel_cu13_first() {
+    fn the_flag_wins_then_the_variable_then_the_active_venvs_wheel_cu13_first() {
         let dir = std::env::temp_dir().join(format!("kvxfer-nixl-find-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        // Another variable of the test process's may be set: only the flag and the venv
-        // are checked here when it is not.
-        let var_set = std::env::var_os(VARIABLE).is_some_and(|v| !v.is_empty());
         let flag = Path::new("/opt/nixl/libnixl_capi.so");
+        let var = || Some(OsString::from("/var/nixl/libnixl_capi.so"));
         assert_eq!(
-            find(Some(flag), Some(&dir)).map(|f| f.0),
+            find(Some(flag), var(), Some(&dir)).map(|f| f.0),
             Some(flag.to_path_buf())
         );
-        if var_set {
-            return;
-        }
-        assert_eq!(find(None, Some(&dir)), None, "no venv folder");
-        assert_eq!(find(None, None), None);
+        assert_eq!(
+            find(None, var(), Some(&dir)),
+            Some(("/var/nixl/libnixl_capi.so".into(), VARIABLE.into()))
+        );
+        assert_eq!(find(None, None, Some(&dir)), None, "no venv folder");
+        assert_eq!(find(None, None, None), None);
         let cu12 = wheel(&dir, "python3.11", ".nixl_cu12.mesonpy.libs");
-        assert_eq!(find(None, Some(&dir)).map(|f| f.0), Some(cu12));
+        assert_eq!(
+            find(None, None, Some(&dir)).map(|f| f.0),
+            Some(cu12.clone())
+        );
+        // An empty variable counts as unset.
+        let empty = Some(OsString::new());
+        assert_eq!(find(None, empty, Some(&dir)).map(|f| f.0), Some(cu12));
         let cu13 = wheel(&dir, "python3.12", "nixl_cu13.libs");
-        let (path, source) = find(None, Some(&dir)).expect("found");
+        let (path, source) = find(None, None, Some(&dir)).expect("found");
         assert_eq!(path, cu13);
         assert!(source.starts_with("the nixl_cu13 wheel of "), "{source}");
         let _ = std::fs::remove_dir_all(&dir);
