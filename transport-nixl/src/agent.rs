@@ -79,11 +79,6 @@ impl Drop for Owned {
     }
 }
 
-// SAFETY: NIXL's list, option, map and parameter objects are plain C++ values with no
-// thread affinity; each is used by one thread at a time (`&mut` or under the agent lock).
-unsafe impl Send for Owned {}
-unsafe impl Sync for Owned {}
-
 /// The agent itself: its handle, its backends, and the lock every call takes.
 struct Inner {
     api: &'static Api,
