@@ -172,16 +172,18 @@ def test_content_digests_pass_as_written_and_catch_a_byte_changed_after_it_lande
         def ask(r: int = r, reply: dict[str, requests.Response] = reply) -> None:
             reply["p"] = post(pair.prefill.url, body(PROMPT_A, r, boot))
 
-        t = threading.Thread(target=ask)
-        t.start()
         decode.add_room(r, ("127.0.0.1", own.registry_port), list(range(pages)), aux_index=0)
-        # Polled through the bootstrap only: the rest lands while this decode does not look.
+        # Polled through the bootstrap only, before the prefill has the request: the rest
+        # lands while this decode does not look, so no check can start before the flip.
         deadline = time.monotonic() + 60
         while (decode.status(r) or 0) < 2:
             assert decode.status(r) != 0, decode.error(r)
             assert time.monotonic() < deadline, "the bootstrap never ended"
             decode.poll()
             time.sleep(0.01)
+        assert decode.status(r) == 2, "the room went on before the prefill had its request"
+        t = threading.Thread(target=ask)
+        t.start()
         t.join(timeout=120)
         assert not t.is_alive(), "the prefill request never ended"
         assert reply["p"].status_code == 200 and not _ended_in_error(reply["p"]), reply["p"].text
