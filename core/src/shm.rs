@@ -10,7 +10,6 @@
 //! that mapping; a check that fails leaves the transport on its ordinary path.
 
 use std::ffi::CString;
-use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 
@@ -60,13 +59,20 @@ fn memfd_link(token: &Token) -> String {
 
 /// Host memory in a sealed memfd, mapped shared; unmapped (and no longer exported) on drop.
 /// Peers that mapped it keep their mapping of the file, never this process's memory.
+///
+/// Other processes (and transports) write these bytes whenever they like, so no Rust
+/// reference to them is ever handed out: a `&[u8]` would promise that nothing changes them
+/// while it lives. Bytes go in and out by explicit copies ([`SharedHostMem::copy_in`],
+/// [`SharedHostMem::copy_out`]), and engines take the raw address.
 pub struct SharedHostMem {
     ptr: *mut u8,
     len: usize,
     fd: OwnedFd,
 }
 
-// SAFETY: plain memory owned by this value; access goes through &self / &mut self.
+// SAFETY: the value owns a mapping and a descriptor, neither tied to a thread. It gives out
+// no references into the memory, only copies through raw pointers, which are as sound from
+// any thread as they are against the other processes that write the same file.
 unsafe impl Send for SharedHostMem {}
 unsafe impl Sync for SharedHostMem {}
 
@@ -160,7 +166,7 @@ impl SharedHostMem {
         }
         // SAFETY: advice on the mapping just made; a no-op where shmem has no huge pages.
         unsafe { libc::madvise(ptr, map_len, libc::MADV_HUGEPAGE) };
-        let mut m = SharedHostMem {
+        let m = SharedHostMem {
             ptr: ptr.cast(),
             len,
             fd,
@@ -185,30 +191,53 @@ impl SharedHostMem {
         self.fd.as_raw_fd()
     }
 
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        self
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
     }
 
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self
+    /// Whether the size is zero (it never is: at least one byte is mapped).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
-}
 
-impl Deref for SharedHostMem {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `len` bytes mapped read-write for the life of self.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    /// The start as a pointer, for engines and transports that address the memory
+    /// themselves; what they do through it is theirs to make sound.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
     }
-}
 
-impl DerefMut for SharedHostMem {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self is exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    /// Sets every byte to `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: `len` bytes mapped read-write for the life of self; a raw write, so no
+        // reference claims the bytes are ours alone.
+        unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
+    }
+
+    /// Copies `bytes` in at `offset`; false (nothing copied) where they do not fit.
+    pub fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
+        if !self.fits(offset, bytes.len()) {
+            return false;
+        }
+        // SAFETY: `[offset, offset + len)` lies in the mapping (checked); `bytes` is our own
+        // memory, never inside this mapping's file as a Rust slice of it is never made.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(offset), bytes.len()) };
+        true
+    }
+
+    /// Copies the bytes at `offset` out into `out`; false (nothing copied) where they do not
+    /// fit. A peer writing meanwhile may leave a mix of old and new bytes, never a fault.
+    pub fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
+        if !self.fits(offset, out.len()) {
+            return false;
+        }
+        // SAFETY: as in `copy_in`, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        true
+    }
+
+    fn fits(&self, offset: usize, len: usize) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len)
     }
 }
 
@@ -263,7 +292,9 @@ fn parse_boot_id(text: &str) -> Option<Token> {
 pub struct Owner {
     pid: u32,
     pidfd: OwnedFd,
-    maps: String,
+    /// Its file mappings, parsed once and sorted by start (each region's check is then a
+    /// binary search, not a pass over a maps file that may hold ~65k lines).
+    maps: Vec<MapsLine>,
 }
 
 impl Owner {
@@ -282,9 +313,13 @@ impl Owner {
         let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
         // Read after the pidfd: if `pid` was reused since, these are the new process's maps,
         // which then do not place the advertised memfds.
-        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))
             .map_err(|e| format!("/proc/{pid}/maps: {e}"))?;
-        Ok(Owner { pid, pidfd, maps })
+        Ok(Owner {
+            pid,
+            pidfd,
+            maps: parse_maps(&text),
+        })
     }
 
     /// The process id.
@@ -303,16 +338,31 @@ impl Owner {
         let Some(end) = addr.checked_add(len) else {
             return false;
         };
-        self.maps.lines().filter_map(parse_maps_line).any(|m| {
-            m.file == file
-                && m.start <= addr
-                && end <= m.end
-                && m.offset.checked_add(addr - m.start) == Some(offset)
-        })
+        // Mappings do not overlap: only the last one starting at or below `addr` can hold it.
+        let i = self.maps.partition_point(|m| m.start <= addr);
+        i.checked_sub(1)
+            .and_then(|i| self.maps.get(i))
+            .is_some_and(|m| {
+                m.file == file
+                    && end <= m.end
+                    && m.offset.checked_add(addr - m.start) == Some(offset)
+            })
     }
 }
 
+/// The file mappings of a maps file, sorted by start (anonymous ones, inode 0, left out).
+fn parse_maps(text: &str) -> Vec<MapsLine> {
+    let mut maps: Vec<MapsLine> = text
+        .lines()
+        .filter_map(parse_maps_line)
+        .filter(|m| m.file.1 != 0 && m.start < m.end)
+        .collect();
+    maps.sort_by_key(|m| m.start);
+    maps
+}
+
 /// One line of `/proc/<pid>/maps`: `start-end perms offset major:minor inode path`.
+#[derive(Debug)]
 struct MapsLine {
     start: u64,
     end: u64,
@@ -385,13 +435,41 @@ fn open_fd(path: &str, flags: i32) -> Result<OwnedFd, String> {
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
+/// A memfd of `want` bytes, all of them allocated (a sparse file would fault pages into this
+/// process's memory).
+fn check_size(st: &libc::stat, want: u64) -> Result<(), String> {
+    let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG
+        || u64::try_from(st.st_size).ok() != Some(want)
+        || blocks < want
+    {
+        return Err(format!(
+            "memfd holds {} bytes ({blocks} allocated), {want} advertised",
+            st.st_size
+        ));
+    }
+    Ok(())
+}
+
 impl PeerFile {
     /// Maps the memfd `e` names in process `owner`, or says why not. The file must be the
     /// memfd of `e.token` (its link checked on a path-only descriptor, so nothing else is
     /// ever opened for reading or writing), on tmpfs, of `e.file_len` bytes with every page
     /// allocated (a sparse file would fault pages into this process's memory), and sealed so
-    /// it cannot shrink under the mapping.
+    /// it cannot shrink under the mapping. Size and pages are checked again once the seal is
+    /// seen, on the descriptor mapped, and the mapping is as long as that file is then: a
+    /// copy through it cannot reach past the file's end (a fault that kills the process).
     pub fn attach(owner: &Owner, e: &Export) -> Result<PeerFile, String> {
+        Self::attach_with(owner, e, || {})
+    }
+
+    /// [`PeerFile::attach`], running `meanwhile` between the first look at the file and
+    /// opening it: where a test plays a peer that changes the file in that window.
+    fn attach_with(
+        owner: &Owner,
+        e: &Export,
+        meanwhile: impl FnOnce(),
+    ) -> Result<PeerFile, String> {
         let len = usize::try_from(e.file_len)
             .ok()
             .filter(|&l| l > 0)
@@ -415,16 +493,8 @@ impl PeerFile {
         {
             return Err(format!("{path} is not on tmpfs"));
         }
-        let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
-        if st.st_mode & libc::S_IFMT != libc::S_IFREG
-            || st.st_size as u64 != e.file_len
-            || blocks < e.file_len
-        {
-            return Err(format!(
-                "memfd holds {} bytes ({blocks} allocated), {} advertised",
-                st.st_size, e.file_len
-            ));
-        }
+        check_size(&st, e.file_len)?;
+        meanwhile();
         // Now the file itself, through the checked handle.
         let fd = open_fd(
             &format!("/proc/self/fd/{}", handle.as_raw_fd()),
@@ -439,7 +509,11 @@ impl PeerFile {
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err("memfd can shrink: a mapping of it could fault".into());
         }
-        // SAFETY: maps the whole file, whose size is final; checked below.
+        // Sealed now, so what this says holds for as long as the file lives: the owner may
+        // have truncated it between the first look and the seal.
+        check_size(&fstat(&fd)?, e.file_len)?;
+        // SAFETY: maps the whole file (`len` is its size, which can no longer shrink);
+        // checked below.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -458,6 +532,11 @@ impl PeerFile {
             len,
             file: (st.st_dev as u64, st.st_ino as u64),
         })
+    }
+
+    /// The file, as `(device, inode)`: the same memfd advertised by two peers is one file.
+    pub fn file_id(&self) -> (u64, u64) {
+        self.file
     }
 
     /// Address in this process of the owner's region `[addr, addr + len)`, which it says is
@@ -487,8 +566,12 @@ mod tests {
 
     #[test]
     fn a_region_of_an_allocation_is_exported_and_maps_the_same_bytes() {
-        let mut m = SharedHostMem::new(3 << 20, 7);
-        assert!(m.iter().all(|&b| b == 7));
+        let m = SharedHostMem::new(3 << 20, 7);
+        let mut all = vec![0u8; 3 << 20];
+        assert!(m.copy_out(0, &mut all));
+        assert!(all.iter().all(|&b| b == 7));
+        assert_eq!(m.len(), 3 << 20);
+        assert!(!m.is_empty());
         let e = export_of(m.addr() + 4096, 8192).expect("inside");
         assert_eq!(e.offset, 4096);
         assert_eq!(e.file_len, 3 << 20);
@@ -504,13 +587,15 @@ mod tests {
         let p = f
             .region(&owner, m.addr() + 4096, 8192, 4096)
             .expect("placed") as *mut u8;
-        m[4096] = 42;
+        assert!(m.copy_in(4096, &[42]));
         // SAFETY: 8192 bytes mapped at `p`.
         unsafe {
             assert_eq!(*p, 42, "the peer sees the owner's store");
             *p.add(1) = 43;
         }
-        assert_eq!(m[4097], 43, "the owner sees the peer's store");
+        let mut two = [0u8; 2];
+        assert!(m.copy_out(4096, &mut two));
+        assert_eq!(two, [42, 43], "the owner sees the peer's store");
         let whole = f.region(&owner, m.addr(), 3 << 20, 0);
         assert_eq!(whole, Some(f.ptr as u64));
         // Other bytes of the file than the owner maps at that address, or past its end.
@@ -533,6 +618,23 @@ mod tests {
         );
         // SAFETY: the peer's mapping outlives the owner's.
         unsafe { assert_eq!(*p, 42) };
+    }
+
+    #[test]
+    fn copies_in_and_out_stay_inside_the_memory() {
+        let m = SharedHostMem::new(4096, 1);
+        assert!(m.copy_in(4094, &[9, 8]));
+        let mut out = [0u8; 3];
+        assert!(m.copy_out(4093, &mut out));
+        assert_eq!(out, [1, 9, 8]);
+        assert!(!m.copy_in(4095, &[0, 0]), "one byte past the end");
+        assert!(!m.copy_out(usize::MAX, &mut out), "an offset that wraps");
+        assert!(m.copy_out(4096, &mut []), "nothing, at the end");
+        m.fill(3);
+        assert!(m.copy_out(4093, &mut out));
+        assert_eq!(out, [3, 3, 3]);
+        // SAFETY: the first byte of the mapping.
+        assert_eq!(unsafe { *m.as_ptr() }, 3);
     }
 
     #[test]
@@ -609,6 +711,46 @@ mod tests {
     }
 
     #[test]
+    fn a_memfd_truncated_before_its_seal_is_refused() {
+        // The owner's file is whole and allocated at the first look, then truncated to half
+        // and sealed before the peer opens it: mapped at the advertised size, the first copy
+        // past the new end would kill the process.
+        let token: Token = rand::random();
+        let len = 1i64 << 16;
+        let fd = memfd(&token, len, false, true);
+        let e = Export {
+            pid: std::process::id(),
+            fd: fd.as_raw_fd(),
+            token,
+            file_len: len as u64,
+            offset: 0,
+        };
+        let owner = me();
+        let shrink = || {
+            // SAFETY: plain calls on the test's own memfd.
+            unsafe {
+                assert_eq!(libc::ftruncate(fd.as_raw_fd(), len / 2), 0);
+                assert_eq!(
+                    libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+                    0
+                );
+            }
+        };
+        let err = PeerFile::attach_with(&owner, &e, shrink).unwrap_err();
+        assert!(err.contains("32768 bytes"), "{err}");
+        // The same file, advertised at the size it now has, maps.
+        let f = PeerFile::attach(
+            &owner,
+            &Export {
+                file_len: (len / 2) as u64,
+                ..e
+            },
+        )
+        .unwrap();
+        assert_eq!(f.len, (len / 2) as usize);
+    }
+
+    #[test]
     fn an_owner_knows_when_its_process_exited() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
@@ -644,6 +786,61 @@ mod tests {
         assert!(parse_maps_line("7f00a000 rw-s 0 00:01 1").is_none());
         assert!(parse_maps_line("x-y rw-s 0 00:01 1").is_none());
         assert!(parse_maps_line("1-2 rw-s 0 0001 1").is_none());
+    }
+
+    /// A maps file of `n` one-page file mappings, every other one of file `(0:1, 7)` at
+    /// offset = its index in pages, listed out of order.
+    fn many_maps(n: u64) -> String {
+        let mut lines: Vec<String> = (0..n)
+            .map(|i| {
+                let start = 0x1000_0000 + i * 0x2000;
+                let inode = if i % 2 == 0 { 7 } else { 8 };
+                format!(
+                    "{start:x}-{:x} rw-s {:08x} 00:01 {inode} /memfd:x",
+                    start + 0x1000,
+                    i * 0x1000
+                )
+            })
+            .collect();
+        lines.reverse();
+        lines.push("7fff0000-7fff1000 rw-p 00000000 00:00 0 [stack]".into());
+        lines.join("\n")
+    }
+
+    #[test]
+    fn placements_are_looked_up_in_maps_parsed_once() {
+        // ~65k mappings and as many regions: one parse and a binary search each (a parse of
+        // the whole file per region took minutes and held the transport's lock throughout).
+        let n = 1u64 << 16;
+        let owner = Owner {
+            pid: 0,
+            pidfd: me().pidfd,
+            maps: parse_maps(&many_maps(n)),
+        };
+        assert_eq!(
+            owner.maps.len() as u64,
+            n,
+            "the anonymous mapping is left out"
+        );
+        let file = (libc::makedev(0, 1), 7);
+        let mut placed = 0;
+        for i in 0..n {
+            let start = 0x1000_0000 + i * 0x2000;
+            if owner.places(file, start + 16, 64, i * 0x1000 + 16) {
+                placed += 1;
+            }
+        }
+        assert_eq!(placed, n / 2, "the mappings of file 7, each where it is");
+        // Past a mapping's end, between mappings, another offset, before the first.
+        assert!(!owner.places(file, 0x1000_0000 + 0x1000 - 8, 16, 0x1000 - 8));
+        assert!(!owner.places(file, 0x1000_0000 + 0x1800, 8, 0x1800));
+        assert!(!owner.places(file, 0x1000_0000, 8, 0x1000));
+        assert!(!owner.places(file, 0x1000, 8, 0));
+        assert!(!owner.places(file, u64::MAX - 4, 8, 0));
+        assert!(
+            owner.places(file, 0x1000_0000, 0x1000, 0),
+            "a whole mapping"
+        );
     }
 
     #[test]

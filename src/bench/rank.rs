@@ -17,13 +17,18 @@ pub(crate) enum RankMem {
     Shared(SharedHostMem),
 }
 
+// The bench fills a rank before any transfer and checks it after every transfer ended,
+// and only its own agents map its shared memory: while a slice lives, nothing else
+// writes the bytes.
 impl Deref for RankMem {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
         match self {
             RankMem::Private(m) => m,
-            RankMem::Shared(m) => m,
+            // SAFETY: `len` bytes mapped for the life of `m`; see above for why no one
+            // writes them meanwhile.
+            RankMem::Shared(m) => unsafe { std::slice::from_raw_parts(m.as_ptr(), m.len()) },
         }
     }
 }
@@ -32,7 +37,8 @@ impl DerefMut for RankMem {
     fn deref_mut(&mut self) -> &mut [u8] {
         match self {
             RankMem::Private(m) => m,
-            RankMem::Shared(m) => m,
+            // SAFETY: as in `deref`, and `&mut self` is the only handle here.
+            RankMem::Shared(m) => unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) },
         }
     }
 }

@@ -66,14 +66,16 @@ impl SharedMem {
         SharedMem { mem, len }
     }
 
-    /// The bytes.
+    /// The bytes. Tests look at them only while no transfer touches them.
     pub fn as_slice(&self) -> &[u8] {
-        &self.mem[..self.len]
+        // SAFETY: `len` bytes of the mapping, alive with `self`; see above.
+        unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.len) }
     }
 
-    /// The bytes, mutably.
+    /// The bytes, mutably; as [`SharedMem::as_slice`].
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.mem[..self.len]
+        // SAFETY: as in `as_slice`, and `&mut self` is the only handle here.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.len) }
     }
 
     /// Start address.

@@ -383,3 +383,71 @@ fn a_peer_process_is_mapped_and_its_death_fails_the_copy() {
     }
     assert!(a.peer_failed(peer));
 }
+
+/// A peer may make this process hold only so many mappings: one that advertises more
+/// memfds than a peer may map, or than are left of the total, is not mapped at all (its
+/// transfers go through UCX, still right), counted; and the memfds of a mapped peer
+/// advertised again under another agent name are refused, however much room is left.
+#[test]
+fn mappings_are_bounded_per_peer_and_in_all_and_never_claimed_twice() {
+    let bounded = |per_peer, total| UcxConfig {
+        max_peer_mappings: per_peer,
+        max_mappings: total,
+        ..config("tcp,self", true)
+    };
+    let mut a = UcxTransport::with_config("bound-a", bounded(2, 3)).unwrap();
+    let peer_with = |name: &str, memfds: u64| {
+        let mut t = UcxTransport::with_config(name, config("tcp,self", true)).unwrap();
+        let bufs: Vec<Buffer> = (0..memfds)
+            .map(|i| Buffer::new(4096, Some(i)).register(&mut t).unwrap())
+            .collect();
+        (t, bufs)
+    };
+    let dst = Buffer::new(4096, None).register(&mut a).unwrap();
+    let read_back = |a: &mut UcxTransport, peer, src: &Buffer| {
+        let x = a
+            .post(Op::Read, peer, (H, H), &[dst.range()], &[src.range()], None)
+            .unwrap();
+        assert_eq!(wait(a, x), XferStatus::Done);
+        assert_eq!(dst.bytes(), src.bytes());
+    };
+
+    // Three memfds, two per peer.
+    let (three, bufs) = peer_with("bound-three", 3);
+    let p3 = a.load_peer(&three.metadata().unwrap()).unwrap();
+    assert!(!a.maps_peer(p3), "over the per-peer bound");
+    assert_eq!(a.shared_memory_refusals(), 1);
+    read_back(&mut a, p3, &bufs[2]);
+    assert_eq!(a.shared_memory_transfers(), 0, "through UCX");
+
+    // Two fit; two more would pass the total of three.
+    let (two, two_bufs) = peer_with("bound-two", 2);
+    let p2 = a.load_peer(&two.metadata().unwrap()).unwrap();
+    assert!(a.maps_peer(p2));
+    assert_eq!(a.shared_memory_mappings(), 2);
+    let (other, other_bufs) = peer_with("bound-other", 2);
+    let po = a.load_peer(&other.metadata().unwrap()).unwrap();
+    assert!(!a.maps_peer(po), "over the total");
+    assert_eq!(a.shared_memory_refusals(), 2);
+    read_back(&mut a, po, &other_bufs[1]);
+    // Reloading the mapped peer under its own name is a refresh, not a second claim.
+    let p2 = a.load_peer(&two.metadata().unwrap()).unwrap();
+    assert!(a.maps_peer(p2));
+    read_back(&mut a, p2, &two_bufs[0]);
+    assert_eq!(a.shared_memory_transfers(), 1);
+
+    // The mapped peer's memfds under another agent name: one mapping left, but claimed.
+    let mut meta = AgentMeta::decode(&two.metadata().unwrap()).unwrap();
+    meta.name = "bound-impostor".into();
+    meta.regions.truncate(1);
+    let pi = a.load_peer(&meta.encode()).unwrap();
+    assert!(!a.maps_peer(pi), "another peer's memfd");
+    assert_eq!(a.shared_memory_refusals(), 3);
+    assert_eq!(a.shared_memory_mappings(), 2);
+
+    // Once the mapped peer is gone, its mappings are room for others.
+    a.remove_peer(p2).unwrap();
+    a.remove_peer(pi).unwrap();
+    let po = a.load_peer(&other.metadata().unwrap()).unwrap();
+    assert!(a.maps_peer(po));
+}

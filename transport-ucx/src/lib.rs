@@ -100,6 +100,28 @@ pub struct UcxConfig {
     /// transfers between them are host copies instead of UCX requests. On by default;
     /// `KVXFER_UCX_SHARED_MEMORY=0` turns it off.
     pub shared_memory: bool,
+    /// Most memfds mapped for one same-host peer (each is a mapping of this process; an
+    /// engine allocates a handful). A peer that advertises more is not mapped at all (its
+    /// transfers go through UCX), with a warning and
+    /// [`UcxTransport::shared_memory_refusals`] counting it. Default 1024,
+    /// `KVXFER_UCX_MAX_PEER_MAPPINGS`.
+    pub max_peer_mappings: usize,
+    /// Most memfds mapped for all same-host peers together, refused as above past it:
+    /// well under Linux's default `vm.max_map_count` (65530), so peers cannot leave this
+    /// process unable to map memory or start threads. Default 8192,
+    /// `KVXFER_UCX_MAX_MAPPINGS`.
+    pub max_mappings: usize,
+}
+
+/// A count from the environment variable `name`, else `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    let Ok(v) = std::env::var(name) else {
+        return default;
+    };
+    v.trim().parse().unwrap_or_else(|_| {
+        tracing::warn!("{name}={v:?} is not a count: {default} is used");
+        default
+    })
 }
 
 impl Default for UcxConfig {
@@ -112,6 +134,8 @@ impl Default for UcxConfig {
             tls: None,
             release_wait: Duration::from_secs(10),
             shared_memory: std::env::var("KVXFER_UCX_SHARED_MEMORY").map_or(true, |v| v != "0"),
+            max_peer_mappings: env_count("KVXFER_UCX_MAX_PEER_MAPPINGS", 1024),
+            max_mappings: env_count("KVXFER_UCX_MAX_MAPPINGS", 8192),
         }
     }
 }

@@ -5,6 +5,7 @@
 //! memory through CMA, one system call and page pinning per piece; two copy workers on
 //! memory both processes map reach the machine's copy ceiling.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,8 +21,24 @@ const MIN_JOB_BYTES: u64 = 1 << 20;
 /// Most copy workers one agent runs.
 const MAX_WORKERS: usize = 4;
 
-/// Most memfds mapped per peer (each is one mapping; an engine allocates a handful).
-const MAX_FILES: usize = 4096;
+/// What other peers already have mapped here, which a new peer must leave room for and
+/// may not claim as its own.
+#[derive(Default)]
+pub struct Mapped {
+    /// Their memfds, as `(device, inode)`.
+    pub files: HashSet<(u64, u64)>,
+    /// How many mappings they hold.
+    pub count: usize,
+}
+
+/// Bounds on the mappings same-host peers may make this process hold.
+#[derive(Clone, Copy)]
+pub struct Limits {
+    /// Per peer.
+    pub per_peer: usize,
+    /// For all peers together.
+    pub total: usize,
+}
 
 /// A peer's regions mapped here: per region of its metadata, the address of its start in
 /// this process and in the peer's; the mappings and the peer's process (kept alive by every
@@ -36,37 +53,61 @@ pub struct PeerMaps {
 impl PeerMaps {
     /// Maps what a peer shares when it runs on this machine: one process (the pid of its
     /// first shared region), each region placed where that process maps its memfd. Any
-    /// check that fails leaves the region (or the peer) on UCX's ordinary path.
-    pub fn attach(meta: &AgentMeta) -> PeerMaps {
+    /// check that fails leaves the region (or the peer) on UCX's ordinary path. `Err` is a
+    /// refusal of the whole peer, nothing mapped: more memfds than `limits` leave room for
+    /// beside what `others` hold, or one of theirs advertised again under this name.
+    pub fn attach(meta: &AgentMeta, limits: Limits, others: &Mapped) -> Result<PeerMaps, String> {
         let mut maps = PeerMaps {
             at: vec![None; meta.regions.len()],
             ..PeerMaps::default()
         };
         let here = kvxfer_core::shm::host_id();
         let Some(pid) = meta.regions.iter().find_map(|r| r.shared.map(|e| e.pid)) else {
-            return maps;
+            return Ok(maps);
         };
         if meta.host.is_none() || meta.host != here {
-            return maps;
+            return Ok(maps);
+        }
+        let wanted: HashSet<_> = meta
+            .regions
+            .iter()
+            .filter_map(|r| r.shared.map(|e| e.token))
+            .collect();
+        let room = limits.total.saturating_sub(others.count);
+        if wanted.len() > limits.per_peer.min(room) {
+            return Err(format!(
+                "it advertises {} memfds; {} may be mapped per peer and {room} more in all \
+                 (max_peer_mappings {}, max_mappings {})",
+                wanted.len(),
+                limits.per_peer,
+                limits.per_peer,
+                limits.total
+            ));
         }
         let owner = match Owner::open(pid) {
             Ok(o) => o,
             Err(why) => {
                 tracing::info!(peer = %meta.name, "not mapping shared memory: {why}");
-                return maps;
+                return Ok(maps);
             }
         };
         let mut files: Vec<PeerFile> = Vec::new();
-        // The token of each mapping, in the order they were made.
-        let mut tokens = Vec::new();
+        // The mapping of each token mapped so far.
+        let mut index: HashMap<kvxfer_core::shm::Token, usize> = HashMap::new();
         for (i, r) in meta.regions.iter().enumerate() {
             let Some(e) = r.shared else { continue };
-            let k = match tokens.iter().position(|t| *t == e.token) {
-                Some(k) => k,
-                None if files.len() < MAX_FILES => match PeerFile::attach(&owner, &e) {
+            let k = match index.get(&e.token) {
+                Some(&k) => k,
+                None => match PeerFile::attach(&owner, &e) {
+                    Ok(f) if others.files.contains(&f.file_id()) => {
+                        return Err(format!(
+                            "its memfd {} of process {} is mapped for another peer",
+                            e.fd, e.pid
+                        ));
+                    }
                     Ok(f) => {
                         files.push(f);
-                        tokens.push(e.token);
+                        index.insert(e.token, files.len() - 1);
                         files.len() - 1
                     }
                     Err(why) => {
@@ -74,7 +115,6 @@ impl PeerMaps {
                         continue;
                     }
                 },
-                None => continue,
             };
             maps.at[i] = files[k]
                 .region(&owner, r.range.addr, r.range.len, e.offset)
@@ -86,12 +126,18 @@ impl PeerMaps {
         } else {
             maps.at.iter_mut().for_each(|a| *a = None);
         }
-        maps
+        Ok(maps)
     }
 
     /// Whether any region is mapped.
     pub fn any(&self) -> bool {
         self.owner.is_some()
+    }
+
+    /// Adds this peer's mappings to `into`.
+    pub fn count_into(&self, into: &mut Mapped) {
+        into.count += self.files.len();
+        into.files.extend(self.files.iter().map(PeerFile::file_id));
     }
 
     /// Whether the peer's process exited (false when nothing is mapped).

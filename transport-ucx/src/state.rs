@@ -14,7 +14,7 @@ use kvxfer_core::{AddrRange, MemoryKind, Notification, PeerId, XferId};
 
 use crate::UcxConfig;
 pub use crate::notification::{decode_notification, encode_notification};
-use crate::same_host::{Copier, Copies, PeerMaps};
+use crate::same_host::{Copier, Copies, Mapped, PeerMaps};
 use crate::sys::{self, StatusPtr, classify, ucs_status_t};
 use crate::worker::Ucp;
 
@@ -240,6 +240,9 @@ pub struct State {
     pub copier: Copier,
     /// Transfers done as host copies through a peer's shared memory.
     pub shared_transfers: u64,
+    /// Same-host peers whose shared memory was refused (over a mapping limit, or memfds
+    /// another peer has mapped).
+    pub map_refusals: u64,
 }
 
 // SAFETY: the UCX handles are only used under the `Mutex` that owns this state, and the
@@ -247,6 +250,15 @@ pub struct State {
 unsafe impl Send for State {}
 
 impl State {
+    /// What the peers not named `name` have mapped here (peers being closed hold nothing).
+    pub fn mapped_except(&self, name: &str) -> Mapped {
+        let mut m = Mapped::default();
+        for p in self.peers.values().filter(|p| p.name != name) {
+            p.maps.count_into(&mut m);
+        }
+        m
+    }
+
     /// A state around a fresh worker, with the notification handler installed.
     pub fn new(ucp: Ucp, name: &str, config: UcxConfig) -> kvxfer_core::TransportResult<State> {
         let inbox = Box::new(Inbox {
@@ -272,6 +284,7 @@ impl State {
             closing: Vec::new(),
             copier: Copier::default(),
             shared_transfers: 0,
+            map_refusals: 0,
         };
         let param = sys::ucp_am_handler_param_t {
             field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
@@ -378,6 +391,9 @@ impl State {
     /// Like [`State::close_peer`]; `force` cancels outstanding requests at once (for
     /// transfers that will not finish: a dead link UCX has not noticed).
     pub fn close_peer_with(&mut self, mut peer: Peer, wait: bool, force: bool) {
+        // Its mappings go now, not when the endpoint is closed: copies in flight hold their
+        // own references, and a closing peer must not count against the mapping bounds.
+        peer.maps = PeerMaps::default();
         // A healthy endpoint closes gracefully (flush, then a disconnect the peer sees);
         // forcing a healthy one over TCP trips UCX 1.13's wire-up state. A failed or stuck
         // one is forced.

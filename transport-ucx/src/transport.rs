@@ -16,7 +16,7 @@ use kvxfer_core::{
 
 use crate::UcxConfig;
 use crate::metadata::{AgentMeta, RegionMeta};
-use crate::same_host::{self, PeerMaps};
+use crate::same_host::{self, Limits, PeerMaps};
 use crate::state::{AM_ID, Health, LocalRegion, Peer, Phase, State, Xfer, encode_notification};
 use crate::sys;
 use crate::worker::{Ucp, check};
@@ -139,6 +139,38 @@ impl UcxTransport {
     /// (failed ones included).
     pub fn shared_memory_transfers(&self) -> u64 {
         self.lock().shared_transfers
+    }
+
+    /// Same-host peers whose shared memory was refused so far: more memfds than
+    /// [`UcxConfig::max_peer_mappings`] or [`UcxConfig::max_mappings`] leave room for, or a
+    /// memfd another peer has mapped advertised again. Their transfers go through UCX.
+    pub fn shared_memory_refusals(&self) -> u64 {
+        self.lock().map_refusals
+    }
+
+    /// Memfds of same-host peers mapped here now.
+    pub fn shared_memory_mappings(&self) -> usize {
+        // No peer's name is empty.
+        self.lock().mapped_except("").count
+    }
+
+    /// Maps a same-host peer's shared memory where the settings allow; `Err` is a refusal,
+    /// logged.
+    fn map_peer(&self, meta: &AgentMeta) -> Result<PeerMaps, ()> {
+        let (limits, others) = {
+            let st = self.lock();
+            if !st.config.shared_memory {
+                return Ok(PeerMaps::default());
+            }
+            let limits = Limits {
+                per_peer: st.config.max_peer_mappings,
+                total: st.config.max_mappings,
+            };
+            (limits, st.mapped_except(&meta.name))
+        };
+        PeerMaps::attach(meta, limits, &others).map_err(|why| {
+            tracing::warn!(peer = %meta.name, "not mapping a same-host peer's shared memory (its transfers go through UCX): {why}");
+        })
     }
 
     /// Whether `peer`'s memory in kvxfer shared memory is mapped here (a same-host peer),
@@ -523,7 +555,15 @@ impl Transport for UcxTransport {
 
     fn load_peer(&mut self, metadata: &[u8]) -> TransportResult<PeerId> {
         let meta = AgentMeta::decode(metadata).map_err(TransportError::InvalidMetadata)?;
+        // Mapped without the lock (opening files, reading the peer's maps): transfers go on
+        // meanwhile. Only `load_peer`, which takes `&mut self`, adds mappings, so what other
+        // peers hold cannot grow before the result is inserted.
+        let maps = self.map_peer(&meta);
         let mut st = self.lock();
+        if maps.is_err() {
+            st.map_refusals += 1;
+        }
+        let maps = maps.unwrap_or_default();
         if let Some(old) = st
             .peers
             .iter()
@@ -540,11 +580,6 @@ impl Transport for UcxTransport {
         let ep = st.connect(&meta.worker_address, &mut health).map_err(|e| {
             TransportError::InvalidMetadata(format!("UCX refused the worker address: {e}"))
         })?;
-        let maps = if st.config.shared_memory {
-            PeerMaps::attach(&meta)
-        } else {
-            PeerMaps::default()
-        };
         let mut peer = Peer {
             name: meta.name,
             ep,
