@@ -185,6 +185,34 @@ fn a_kvxfer_peer_of_another_protocol_version_is_refused_naming_both() {
     lax.caches[0].verify(&[(1, 2)]).expect("bytes");
 }
 
+/// A request that names one engine at an address where another answers (a stale reference
+/// after the address was reused, or a misrouted one) fails its load naming both, and
+/// nothing is read; asked as the engine it is, the prefill serves the same blocks.
+#[test]
+fn a_prefill_that_answers_as_another_engine_is_not_read() {
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let c = clock();
+    let mut pre = engine("who-P", &model, 1, true, Arc::clone(&c), &lb, &no_tune);
+    let params = pre.finish_prefill("r", &[1]);
+    let mut dec = engine("who-D", &model, 1, false, Arc::clone(&c), &lb, &no_tune);
+    let mut elsewhere = params.clone();
+    elsewhere.remote_engine_id = Some("who-Q".into());
+    dec.start_load("r", &elsewhere, &[2], 4);
+    let reason = first_failure(&mut dec)[0].reason.clone();
+    assert!(
+        reason.contains("is engine \"who-P\", the request names \"who-Q\""),
+        "{reason}"
+    );
+    dec.caches[0].verify(&[]).expect("nothing read");
+    let mut named = engine("who-D2", &model, 1, false, c, &lb, &no_tune);
+    named.start_load("r", &params, &[2], 4);
+    poll_until(&mut [&mut named], |_, f| {
+        assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+        !f[0].recving.is_empty()
+    });
+    named.caches[0].verify(&[(1, 2)]).expect("bytes");
+}
+
 /// A reference peer (vLLM's handshake, no kvxfer layout) is described by its block length:
 /// the spec derived from ours must have that length, or the load is refused naming it.
 #[test]

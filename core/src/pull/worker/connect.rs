@@ -50,6 +50,7 @@ impl<T: Transport> PullWorker<T> {
                     host: &host,
                     port,
                     reader: &reader,
+                    engine_id: &engine_id,
                 };
                 let result = match protocol {
                     PeerProtocol::Kvxfer => {
@@ -499,6 +500,27 @@ struct Remote<'a> {
     host: &'a str,
     port: u16,
     reader: &'a str,
+    /// The engine the request names: every rank that answers must be it.
+    engine_id: &'a str,
+}
+
+impl Remote<'_> {
+    /// `meta` if it comes from the engine asked for: another engine at that address (a
+    /// stale or misrouted reference, or one engine's ranks answering for another's) must
+    /// not be read as this one.
+    fn expect(
+        &self,
+        port: u16,
+        meta: crate::wire::handshake::HandshakeMeta,
+    ) -> Result<crate::wire::handshake::HandshakeMeta, String> {
+        if meta.engine_id != self.engine_id {
+            return Err(format!(
+                "the prefill at {}:{port} is engine {:?}, the request names {:?}",
+                self.host, meta.engine_id, self.engine_id
+            ));
+        }
+        Ok(meta)
+    }
 }
 
 /// Fetches rank 0 (to learn the prefill's TP), then every prefill rank this decode rank
@@ -514,6 +536,7 @@ fn handshake(
     let (host, port) = (at.host, at.port);
     let first =
         fetch_metadata_for(host, port, 0, at.reader, timeout, limit).map_err(|e| e.to_string())?;
+    let first = at.expect(port, first)?;
     let remote_tp =
         u32::try_from(first.tp_size).map_err(|_| "remote tp_size exceeds u32".to_string())?;
     let mapping = TpMapping::new(remote_tp, my_tp, sharding).map_err(|e| e.to_string())?;
@@ -530,7 +553,7 @@ fn handshake(
             .ok_or_else(|| format!("port of prefill rank {r} exceeds 65535"))?;
         let meta =
             fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?;
-        metas.push((r, kvxfer_peer(meta)));
+        metas.push((r, kvxfer_peer(at.expect(p, meta)?)));
     }
     Ok((remote_tp, metas))
 }
