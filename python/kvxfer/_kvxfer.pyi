@@ -140,7 +140,7 @@ class PullWorker:
         head_dim: int,
         tokens_per_block: int,
         num_blocks: int,
-        bases: list[int],
+        bases: list[int] | list[Any],
         total_kv_heads: int,
         total_layers: int,
         first_layer: int = 0,
@@ -170,8 +170,10 @@ class PullWorker:
     def take_metrics(self) -> dict[str, float]: ...
     def shutdown(self) -> None: ...
 
-Buffers = list[tuple[int, int, int]]
-"""``(base, item_len, items)`` per aux or state buffer."""
+Buffers = list[tuple[Any, int, int]]
+"""``(base, item_len, items)`` per aux or state buffer: ``base`` an address, or an object
+with ``data_ptr()`` or ``__array_interface__`` (a tensor, an array), which is then kept
+alive as long as the rank that registered it."""
 
 class PushRegistry:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None: ...

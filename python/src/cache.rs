@@ -9,10 +9,10 @@ use pyo3::types::PyDict;
 
 use crate::agent::memory_kind;
 use crate::errors::{InvalidArgumentError, LayoutError};
-use crate::memory::check_host_mapped;
+use crate::memory::{Kept, base_of, check_host_mapped};
 
 /// The cache's description, field for field as the constructors take it.
-pub struct CacheArgs<'a> {
+pub struct CacheArgs<'a, 'py> {
     pub kind: &'a str,
     pub order: &'a str,
     pub dtype: &'a str,
@@ -21,15 +21,17 @@ pub struct CacheArgs<'a> {
     pub head_dim: u32,
     pub tokens_per_block: u32,
     pub num_blocks: u32,
-    pub bases: Vec<u64>,
+    /// Addresses, or objects holding the regions (kept alive).
+    pub bases: Vec<Bound<'py, PyAny>>,
     pub total_kv_heads: u32,
     pub total_layers: u32,
     pub first_layer: u32,
     pub memory: &'a str,
 }
 
-/// The checked cache: a valid spec, one base per region, host regions mapped read-write.
-pub fn build(a: CacheArgs<'_>) -> PyResult<KvCache> {
+/// The checked cache: a valid spec, one base per region, host regions mapped read-write;
+/// objects given as bases are added to `keep`.
+pub fn build(a: CacheArgs<'_, '_>, keep: &mut Kept) -> PyResult<KvCache> {
     let layout = |e: kvxfer_layout::LayoutError| LayoutError::new_err(e.to_string());
     let spec = CacheSpec::new(CacheParams {
         kind: a.kind.parse().map_err(layout)?,
@@ -50,14 +52,19 @@ pub fn build(a: CacheArgs<'_>) -> PyResult<KvCache> {
         )));
     }
     let memory = memory_kind(a.memory)?;
+    let bases = a
+        .bases
+        .iter()
+        .map(|b| base_of(b, spec.region_len(), keep))
+        .collect::<PyResult<Vec<u64>>>()?;
     if memory == MemoryKind::Host {
-        for &b in &a.bases {
+        for &b in &bases {
             check_host_mapped(kvxfer_core::AddrRange::new(b, spec.region_len()))?;
         }
     }
     Ok(KvCache {
         spec,
-        bases: a.bases,
+        bases,
         memory,
         total_kv_heads: a.total_kv_heads,
         total_layers: a.total_layers,
@@ -85,7 +92,7 @@ const KEYS: [&str; 13] = [
 
 /// [`build`] from a dict with the same keys (`first_layer` and `memory` optional); an
 /// unknown key is refused, so a misspelt one cannot silently take a default.
-pub fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvCache> {
+pub fn from_dict(d: &Bound<'_, PyDict>, keep: &mut Kept) -> PyResult<KvCache> {
     for k in d.keys() {
         let k: String = k.extract()?;
         if !KEYS.contains(&k.as_str()) {
@@ -116,19 +123,22 @@ pub fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvCache> {
     } else {
         0
     };
-    build(CacheArgs {
-        kind: &kind,
-        order: &order,
-        dtype: &dtype,
-        num_layers: get(d, "num_layers")?,
-        kv_heads: get(d, "kv_heads")?,
-        head_dim: get(d, "head_dim")?,
-        tokens_per_block: get(d, "tokens_per_block")?,
-        num_blocks: get(d, "num_blocks")?,
-        bases: get(d, "bases")?,
-        total_kv_heads: get(d, "total_kv_heads")?,
-        total_layers: get(d, "total_layers")?,
-        first_layer,
-        memory: &memory,
-    })
+    build(
+        CacheArgs {
+            kind: &kind,
+            order: &order,
+            dtype: &dtype,
+            num_layers: get(d, "num_layers")?,
+            kv_heads: get(d, "kv_heads")?,
+            head_dim: get(d, "head_dim")?,
+            tokens_per_block: get(d, "tokens_per_block")?,
+            num_blocks: get(d, "num_blocks")?,
+            bases: get(d, "bases")?,
+            total_kv_heads: get(d, "total_kv_heads")?,
+            total_layers: get(d, "total_layers")?,
+            first_layer,
+            memory: &memory,
+        },
+        keep,
+    )
 }

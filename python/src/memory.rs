@@ -8,6 +8,22 @@ use pyo3::prelude::*;
 
 use crate::errors::{InvalidArgumentError, InvalidMemoryError};
 
+/// Objects whose memory a worker or push rank uses, kept alive as long as it lives (its
+/// registrations and advertised regions go first: the field is declared after the worker).
+pub type Kept = Vec<Py<PyAny>>;
+
+/// The start of `obj` as a base of `len` bytes: an integer address as it is (the caller
+/// keeps that memory alive), or an object with `data_ptr()` / `__array_interface__`,
+/// refused if it says it holds fewer bytes, and kept in `keep` so the memory cannot be
+/// freed while registered.
+pub fn base_of(obj: &Bound<'_, PyAny>, len: u64, keep: &mut Kept) -> PyResult<u64> {
+    let (range, is_object) = object_range(obj, Some(len))?;
+    if is_object {
+        keep.push(obj.clone().unbind());
+    }
+    Ok(range.addr)
+}
+
 /// The start address and length of `obj` in bytes; `length` overrides the object's own size
 /// (needed for a raw integer address).
 pub fn object_range(obj: &Bound<'_, PyAny>, length: Option<u64>) -> PyResult<(AddrRange, bool)> {

@@ -18,6 +18,7 @@ use crate::agent::transport_kind;
 use crate::args::{BlockIds, seconds, seconds_or_zero};
 use crate::cache::{self, CacheArgs};
 use crate::errors::{self, InvalidArgumentError, LayoutError, ShutDownError, SideChannelError};
+use crate::memory::Kept;
 
 /// Largest step metadata accepted from the engine (block lists of many long prompts).
 const MAX_STEP_META_BYTES: usize = 64 << 20;
@@ -158,6 +159,9 @@ impl PullScheduler {
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct PullWorker {
     inner: Mutex<Option<pull::PullWorker<AnyTransport>>>,
+    /// The objects holding its cache regions (after `inner`: dropped once it deregistered
+    /// them).
+    _keep: Kept,
 }
 
 impl PullWorker {
@@ -180,8 +184,9 @@ impl PullWorker {
 
 #[pymethods]
 impl PullWorker {
-    /// Registers the cache (`bases`: one address per region, each region
-    /// `num_blocks * block_len` bytes and mapped in this process) and starts the listener.
+    /// Registers the cache (`bases`: one per region, each region `num_blocks * block_len`
+    /// bytes and mapped in this process: an address, or an object with `data_ptr()` or
+    /// `__array_interface__`, kept alive as long as the worker) and starts the listener.
     #[new]
     #[pyo3(signature = (
         agent_name, transport, *, engine_id, tp_rank, tp_size, kind, order, dtype, num_layers,
@@ -208,7 +213,7 @@ impl PullWorker {
         head_dim: u32,
         tokens_per_block: u32,
         num_blocks: u32,
-        bases: Vec<u64>,
+        bases: Vec<Bound<'_, PyAny>>,
         total_kv_heads: u32,
         total_layers: u32,
         first_layer: u32,
@@ -229,21 +234,25 @@ impl PullWorker {
         state_groups: Option<Vec<u32>>,
         digest: bool,
     ) -> PyResult<Self> {
-        let mut cache = cache::build(CacheArgs {
-            kind,
-            order,
-            dtype,
-            num_layers,
-            kv_heads,
-            head_dim,
-            tokens_per_block,
-            num_blocks,
-            bases,
-            total_kv_heads,
-            total_layers,
-            first_layer,
-            memory,
-        })?;
+        let mut keep = Kept::new();
+        let mut cache = cache::build(
+            CacheArgs {
+                kind,
+                order,
+                dtype,
+                num_layers,
+                kv_heads,
+                head_dim,
+                tokens_per_block,
+                num_blocks,
+                bases,
+                total_kv_heads,
+                total_layers,
+                first_layer,
+                memory,
+            },
+            &mut keep,
+        )?;
         if state_groups.is_some() && groups.is_none() {
             return Err(LayoutError::new_err(
                 "state_groups names KV cache groups, but no groups were given",
@@ -301,6 +310,7 @@ impl PullWorker {
         })?;
         Ok(PullWorker {
             inner: Mutex::new(Some(worker)),
+            _keep: keep,
         })
     }
 

@@ -18,21 +18,24 @@ use crate::agent::transport_kind;
 use crate::args::seconds;
 use crate::cache;
 use crate::errors::{self, InvalidArgumentError, SideChannelError, TransferFailedError};
-use crate::memory::check_host_mapped;
+use crate::memory::{Kept, base_of, check_host_mapped};
 use crate::slot::Slot;
 
 /// `(base, item_len, items)` triples as the push side registers them.
-type Buffers = Vec<(u64, u64, u32)>;
+/// Aux or state buffers: `(base, item_len, items)`, the base an address or an object holding
+/// the buffer (kept alive).
+type Buffers<'py> = Vec<(Bound<'py, PyAny>, u64, u32)>;
 
 /// The rank's buffers: the KV cache `layout` (the keys `PullWorker` takes), aux buffers
 /// (host memory) and state buffers (beside the KV cache), each checked to be mapped.
 fn buffers(
     layout: &Bound<'_, PyDict>,
-    aux: Buffers,
-    state: Buffers,
+    aux: Buffers<'_>,
+    state: Buffers<'_>,
     state_kind: &str,
+    keep: &mut Kept,
 ) -> PyResult<PushBuffers> {
-    let kv = cache::from_dict(layout)?;
+    let kv = cache::from_dict(layout, keep)?;
     let state_kind = match state_kind {
         "none" => StateKind::None,
         "mamba" => StateKind::Mamba,
@@ -48,9 +51,13 @@ fn buffers(
             "state buffers given with state_kind none",
         ));
     }
-    let wire = |list: Buffers, host: bool| -> PyResult<Vec<BufferWire>> {
+    let mut wire = |list: Buffers<'_>, host: bool| -> PyResult<Vec<BufferWire>> {
         list.into_iter()
-            .map(|(base, item_len, items)| {
+            .map(|(obj, item_len, items)| {
+                let len = item_len.checked_mul(u64::from(items)).ok_or_else(|| {
+                    InvalidArgumentError::new_err("a buffer's size overflows the address space")
+                })?;
+                let base = base_of(&obj, len, keep)?;
                 let b = BufferWire {
                     base,
                     item_len,
@@ -131,6 +138,8 @@ impl PushRegistry {
 pub struct PushPrefill {
     inner: Arc<Slot<push::PushPrefill<AnyTransport>>>,
     port: u16,
+    /// The objects holding its buffers (after `inner`: dropped once it deregistered them).
+    _keep: Kept,
 }
 
 /// How often a prefill rank is polled while its engine does not poll it.
@@ -177,15 +186,16 @@ impl PushPrefill {
         tp_size: u32,
         pp_rank: u32,
         pp_size: u32,
-        aux: Buffers,
-        state: Buffers,
+        aux: Buffers<'_>,
+        state: Buffers<'_>,
         state_kind: &str,
         host: &str,
         port: u16,
         bootstrap_timeout: f64,
         request_timeout: f64,
     ) -> PyResult<Self> {
-        let bufs = buffers(layout, aux, state, state_kind)?;
+        let mut keep = Kept::new();
+        let bufs = buffers(layout, aux, state, state_kind, &mut keep)?;
         if tp_size == 0 || tp_rank >= tp_size || pp_size == 0 || pp_rank >= pp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}, pp_rank {pp_rank} of pp_size {pp_size}"
@@ -210,7 +220,11 @@ impl PushPrefill {
         let port = p.port();
         let inner = Arc::new(Slot::new(p));
         poll_while_idle(&inner).map_err(|e| errors::KvxferError::new_err(e.to_string()))?;
-        Ok(PushPrefill { port, inner })
+        Ok(PushPrefill {
+            port,
+            inner,
+            _keep: keep,
+        })
     }
 
     /// The mailbox port.
@@ -367,6 +381,8 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PushMetrics) -> PyResult<Bound<'py, Py
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct PushDecode {
     inner: Slot<push::PushDecode<AnyTransport>>,
+    /// The objects holding its buffers (after `inner`: dropped once it deregistered them).
+    _keep: Kept,
 }
 
 #[pymethods]
@@ -392,8 +408,8 @@ impl PushDecode {
         layout: &Bound<'_, PyDict>,
         tp_rank: u32,
         tp_size: u32,
-        aux: Buffers,
-        state: Buffers,
+        aux: Buffers<'_>,
+        state: Buffers<'_>,
         state_kind: &str,
         waiting_timeout: f64,
         bootstrap_timeout: f64,
@@ -403,7 +419,8 @@ impl PushDecode {
         discovery: Option<(String, String)>,
         digest: bool,
     ) -> PyResult<Self> {
-        let bufs = buffers(layout, aux, state, state_kind)?;
+        let mut keep = Kept::new();
+        let bufs = buffers(layout, aux, state, state_kind, &mut keep)?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}"
@@ -439,6 +456,7 @@ impl PushDecode {
         })?;
         Ok(PushDecode {
             inner: Slot::new(d),
+            _keep: keep,
         })
     }
 

@@ -1,9 +1,11 @@
 """The pull connector halves from Python: a prefill and a decode worker in one process,
 driven through their schedulers the way an engine drives them."""
 
+import gc
 import itertools
 import json
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -260,3 +262,23 @@ def test_bad_scheduler_input_and_step_metadata_raise() -> None:
     ]:
         with pytest.raises(kvxfer.ShutDownError):
             call()
+
+
+def test_arrays_given_as_bases_live_as_long_as_the_worker() -> None:
+    """Arrays handed over as region bases are kept by the worker that registered and
+    advertises them: dropped by the caller, they are not freed while a peer may read them,
+    and they go with the worker. An array smaller than a region is refused."""
+    arrays = cache("split-kv", seed=3)
+    refs = [weakref.ref(a) for a in arrays]
+    w, _ = worker("keep", "loopback", "split-kv", arrays, bases=list(arrays))
+    del arrays
+    gc.collect()
+    assert all(r() is not None for r in refs), "freed while registered"
+    w.shutdown()
+    del w
+    gc.collect()
+    assert all(r() is None for r in refs), "kept past the worker"
+    short = cache("split-kv", seed=None)
+    short[1] = short[1][:-1]
+    with pytest.raises(kvxfer.InvalidArgumentError, match="exceeds the object's"):
+        worker("keep-short", "loopback", "split-kv", short, bases=list(short))

@@ -1,8 +1,10 @@
 """The push connector from Python: a registry, a prefill rank and a decode rank in one
 process, driven the way kvxfer.sglang drives them."""
 
+import gc
 import itertools
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -222,3 +224,37 @@ def test_bad_arguments_raise_and_a_shut_down_rank_refuses_calls() -> None:
     with pytest.raises(kvxfer.ShutDownError):
         p.status(5)
     registry.shutdown()
+
+
+def test_arrays_given_as_buffers_live_as_long_as_the_rank() -> None:
+    """Arrays handed over as KV bases and aux buffers are kept by the rank that registered
+    them: dropped by the caller, they are not freed while the rank may write into them or
+    advertise them, and they go with the rank. An array smaller than its region is refused."""
+    dst = Rank(seed=None)
+    layout = dst.layout(bases=list(dst.kv))
+    aux = [(a, AUX_ROW, AUX_ROWS) for a in dst.aux]
+    refs = [weakref.ref(a) for a in dst.kv + dst.aux]
+    decode = kvxfer.PushDecode("keep-d", "loopback", layout, tp_rank=0, tp_size=1, aux=aux)
+    del dst, layout, aux
+    gc.collect()
+    assert all(r() is not None for r in refs), "freed while registered"
+    decode.shutdown()
+    del decode
+    gc.collect()
+    assert all(r() is None for r in refs), "kept past the rank"
+    small = Rank(seed=None)
+    short = np.zeros(AUX_ROW * AUX_ROWS - 1, dtype=np.uint8)
+    with pytest.raises(kvxfer.InvalidArgumentError, match="exceeds the object's"):
+        kvxfer.PushDecode(
+            "keep-short",
+            "loopback",
+            small.layout(bases=list(small.kv)),
+            tp_rank=0,
+            tp_size=1,
+            aux=[(short, AUX_ROW, AUX_ROWS)],
+        )
+    small.kv[0] = small.kv[0][:-1]
+    with pytest.raises(kvxfer.InvalidArgumentError, match="exceeds the object's"):
+        kvxfer.PushDecode(
+            "keep-short2", "loopback", small.layout(bases=list(small.kv)), tp_rank=0, tp_size=1
+        )
