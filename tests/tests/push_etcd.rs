@@ -199,3 +199,44 @@ fn a_registration_is_seen_at_once() {
         }
     });
 }
+
+/// An engine registered under a name that sorts first (`-`) and naming another engine's
+/// bootstrap address does not capture its rooms: two engines naming one address is refused
+/// as ambiguous (neither answered, neither alive), counted; once the impostor's keys are
+/// gone the rightful engine answers again.
+#[test]
+fn two_engines_naming_one_bootstrap_address_are_refused() {
+    with_etcd("two engines naming one address", |etcd| {
+        let (dir, pre, _dec) = sides(etcd, 1, "pe4", |_| {});
+        let _rightful = register(etcd, &pre, 0, 40);
+        wait_until("the rightful engine", || {
+            matches!(
+                dir.query(&nowhere(), LIMIT),
+                Ok(FromRegistry::Layout { .. })
+            )
+        });
+        assert!(dir.alive(&nowhere(), LIMIT));
+        let mut info = pre.ranks[0].rank_info().clone();
+        info.port = 1;
+        let records = push_records("t", "-", &nowhere(), 41, &[info]).unwrap();
+        let impostor = Registrar::start(client(etcd), Duration::from_secs(2), records).unwrap();
+        wait_until("the impostor refused", || {
+            dir.query(&nowhere(), LIMIT).is_err()
+        });
+        let why = dir.query(&nowhere(), LIMIT).unwrap_err();
+        assert!(
+            why.contains("\"-\" and \"pe\"") && why.contains("ambiguous"),
+            "{why}"
+        );
+        assert!(
+            !dir.alive(&nowhere(), LIMIT),
+            "an ambiguous address is not alive"
+        );
+        assert!(dir.ambiguous_matches() >= 2);
+        drop(impostor);
+        wait_until("the rightful engine again", || {
+            matches!(dir.query(&nowhere(), LIMIT),
+                Ok(FromRegistry::Layout { ranks, .. }) if ranks[0].port == pre.ranks[0].port())
+        });
+    });
+}

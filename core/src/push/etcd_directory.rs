@@ -7,6 +7,7 @@
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvxfer_discovery::etcd::{EtcdClient, EtcdError, Watcher};
@@ -27,6 +28,8 @@ pub struct EtcdDirectory {
     cluster: String,
     /// For a read of etcd itself when the watch does not show an address yet.
     client: Arc<EtcdClient>,
+    /// Lookups refused because two engines named one bootstrap address.
+    ambiguous: AtomicU64,
 }
 
 impl std::fmt::Debug for EtcdDirectory {
@@ -46,7 +49,14 @@ impl EtcdDirectory {
             watcher,
             cluster: cluster.to_owned(),
             client,
+            ambiguous: AtomicU64::new(0),
         })
+    }
+
+    /// Lookups refused so far because more than one engine's ranks named the bootstrap
+    /// address asked for.
+    pub fn ambiguous_matches(&self) -> u64 {
+        self.ambiguous.load(Ordering::Relaxed)
     }
 
     /// The bootstrap address of push prefill `engine_id`, once it is whole, waiting up to
@@ -69,20 +79,51 @@ impl EtcdDirectory {
         }
     }
 
-    /// The whole engine whose ranks all name `addr` as their bootstrap address.
-    fn whole(&self, addr: &str) -> Option<EngineView> {
-        self.watcher
-            .engines()
-            .into_iter()
-            .filter(|v| v.role == Role::Prefill)
-            .find(|v| v.ranks.iter().all(|(_, r)| names(r, addr)))
+    /// The whole engine whose ranks all name `addr` as their bootstrap address; an error
+    /// when several do.
+    fn whole(&self, addr: &str) -> Result<Option<EngineView>, String> {
+        let engines = self.watcher.engines();
+        self.only_one(addr, engines.into_iter())
+    }
+
+    /// The one prefill engine of `engines` whose ranks all name `addr`. Two engines naming
+    /// one address is an error, logged and counted: whoever may write to etcd could
+    /// otherwise register an engine that captures another's rooms (and the decodes' memory
+    /// keys sent to its mailboxes), and the first match in key order would win.
+    fn only_one<V: std::borrow::Borrow<EngineView>>(
+        &self,
+        addr: &str,
+        engines: impl Iterator<Item = V>,
+    ) -> Result<Option<V>, String> {
+        let mut found = engines.filter(|v| {
+            let v = v.borrow();
+            v.role == Role::Prefill
+                && !v.ranks.is_empty()
+                && v.ranks.iter().all(|(_, r)| names(r, addr))
+        });
+        let first = found.next();
+        let Some(second) = found.next() else {
+            return Ok(first);
+        };
+        let first = first
+            .map(|v| v.borrow().engine_id.clone())
+            .unwrap_or_default();
+        let why = format!(
+            "prefill engines {first:?} and {:?} in {} both name bootstrap address {addr}: \
+             refused as ambiguous",
+            second.borrow().engine_id,
+            self.source()
+        );
+        self.ambiguous.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("{why}");
+        Err(why)
     }
 }
 
 impl PrefillDirectory for EtcdDirectory {
     fn query(&self, addr: &Addr, _timeout: Duration) -> Result<FromRegistry, String> {
         let want = format!("{}:{}", addr.0, addr.1);
-        if let Some(v) = self.whole(&want) {
+        if let Some(v) = self.whole(&want)? {
             return layout(&v);
         }
         if let Some(answer) = not_ready(self.watcher.registered(Role::Prefill), &want) {
@@ -101,10 +142,7 @@ impl PrefillDirectory for EtcdDirectory {
         for kv in &kvs {
             fresh.put(&kv.key, &kv.value);
         }
-        if let Some(v) = fresh
-            .engines()
-            .find(|v| v.role == Role::Prefill && v.ranks.iter().all(|(_, r)| names(r, &want)))
-        {
+        if let Some(v) = self.only_one(&want, fresh.engines())? {
             return layout(v);
         }
         let registered = fresh.registered(Role::Prefill).map(|(id, ranks)| {
@@ -120,7 +158,8 @@ impl PrefillDirectory for EtcdDirectory {
         })
     }
     fn alive(&self, addr: &Addr, _timeout: Duration) -> bool {
-        self.whole(&format!("{}:{}", addr.0, addr.1)).is_some()
+        self.whole(&format!("{}:{}", addr.0, addr.1))
+            .is_ok_and(|v| v.is_some())
     }
     fn source(&self) -> String {
         format!("etcd cluster {:?}", self.cluster)
