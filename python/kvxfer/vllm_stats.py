@@ -44,6 +44,7 @@ COUNTERS: dict[str, str] = {
     "refused_loads": "Loads refused because one of the same request was in flight",
     "lost_connections": "Prefill connections dropped after a failure (the next load reconnects)",
     "peer_restarts": "Handshakes that found a prefill restarted under the same engine id",
+    "closed_connections": "Prefill connections no request needed closed (dead, or idle)",
     "refused_notes": "Read notes dropped: sender unknown, repeated, or a contradicting count",
 }
 

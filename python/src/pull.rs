@@ -444,6 +444,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &PullMetrics) -> PyResult<Bound<'py, Py
     d.set_item("refused_loads", m.refused_loads)?;
     d.set_item("lost_connections", m.lost_connections)?;
     d.set_item("peer_restarts", m.peer_restarts)?;
+    d.set_item("closed_connections", m.closed_connections)?;
     d.set_item("refused_notes", m.refused_notes)?;
     d.set_item("handshake_time", m.handshake_time.as_secs_f64())?;
     d.set_item("handshakes", m.handshakes)?;

@@ -957,3 +957,84 @@ fn handshake_threads_are_joined_as_they_end() {
         HANDSHAKES as u64
     );
 }
+
+/// A decode that read from 100 prefills in turn, each gone once read (as when a prefill
+/// restarts: vLLM names each start a fresh engine id, which no request names again), keeps
+/// no connection to the dead ones: each is closed at the next heartbeat tick after its rank
+/// failed, so peers and prepared lists stay flat. A prefill that lives but that no request
+/// names is closed once idle past `idle_engine_timeout`, and the next load from it
+/// handshakes again.
+#[test]
+fn connections_no_request_needs_are_closed() {
+    use std::time::Duration;
+    let model = Model::small(BlockOrder::Hnd, 4);
+    let manual = ManualClock::default();
+    let c: Arc<dyn Clock> = Arc::new(manual.clone());
+    let tune = |cfg: &mut PullConfig| {
+        cfg.heartbeat_interval = Duration::from_secs(5);
+        cfg.idle_engine_timeout = Duration::from_secs(60);
+    };
+    let mut dec = engine("close-D", &model, 1, false, Arc::clone(&c), &lb, &tune);
+    let read = |dec: &mut kvxfer_tests::pull_env::Engine<LoopbackTransport>,
+                pre: &mut kvxfer_tests::pull_env::Engine<LoopbackTransport>,
+                id: &str| {
+        let params = pre.finish_prefill(id, &[1]);
+        dec.start_load(id, &params, &[2], 4);
+        poll_until(&mut [&mut *dec], |_, f| {
+            assert!(f[0].failed.is_empty(), "{:?}", f[0].failed);
+            !f[0].recving.is_empty()
+        });
+        dec.caches[0].verify(&[(1, 2)]).expect("bytes");
+    };
+    for i in 0..100 {
+        let mut pre = engine(
+            &format!("close-P{i}"),
+            &model,
+            1,
+            true,
+            Arc::clone(&c),
+            &lb,
+            &tune,
+        );
+        read(&mut dec, &mut pre, &format!("r{i}"));
+        assert_eq!(
+            dec.workers[0].transport().resource_counts().0,
+            1,
+            "one peer while it lives"
+        );
+        drop(pre);
+        manual.advance(Duration::from_secs(5));
+        dec.poll();
+        let (peers, lists, _, _) = dec.workers[0].transport().resource_counts();
+        assert_eq!(
+            (peers, lists),
+            (0, 0),
+            "a dead prefill's connection is closed ({i})"
+        );
+    }
+    let m = dec.workers[0].take_metrics();
+    assert_eq!((m.closed_connections, m.handshakes), (100, 100));
+
+    // Alive and idle: kept for a while, closed past the timeout, then connected again.
+    let mut pre = engine("close-live", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    read(&mut dec, &mut pre, "a");
+    for _ in 0..11 {
+        manual.advance(Duration::from_secs(5));
+        dec.poll();
+    }
+    assert_eq!(
+        dec.workers[0].transport().resource_counts().0,
+        1,
+        "55 s idle: kept"
+    );
+    manual.advance(Duration::from_secs(5));
+    dec.poll();
+    assert_eq!(
+        dec.workers[0].transport().resource_counts().0,
+        0,
+        "60 s idle: closed"
+    );
+    read(&mut dec, &mut pre, "b");
+    let m = dec.workers[0].take_metrics();
+    assert_eq!((m.closed_connections, m.handshakes), (1, 2));
+}

@@ -124,6 +124,12 @@ pub struct PullConfig {
     pub lease: Duration,
     /// How often the decode renews leases of requests it waits for.
     pub heartbeat_interval: Duration,
+    /// Decode side: a connection to a prefill engine that no request loaded from or waited
+    /// for this long is closed (its endpoints, keys and mappings go; the next load
+    /// handshakes again). One whose rank the transport saw fail is closed at the next
+    /// heartbeat tick. Bounds what a long run keeps of engines that restarted under new
+    /// ids. 10 minutes by default.
+    pub idle_engine_timeout: Duration,
     /// A READ still in progress after this long is cancelled and its load reported failed
     /// (a cut link can leave a transfer pending for as long as TCP retries).
     pub transfer_timeout: Duration,
@@ -168,6 +174,7 @@ impl PullConfig {
             max_handshake_bytes: MAX_HANDSHAKE_BYTES,
             lease,
             heartbeat_interval: lease / 6,
+            idle_engine_timeout: Duration::from_secs(600),
             transfer_timeout: Duration::from_secs(30),
             failure_policy: FailurePolicy::Fail,
             enforce_compat: true,

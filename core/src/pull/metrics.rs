@@ -58,6 +58,10 @@ pub struct PullMetrics {
     pub lost_connections: u64,
     /// Handshakes that found a new instance under a known engine id and rank: a restart.
     pub peer_restarts: u64,
+    /// Connections to prefill engines no request needed closed: a rank the transport saw
+    /// fail (a dead prefill, or one restarted under a new engine id), or unused for
+    /// `PullConfig::idle_engine_timeout`. The next load for that engine handshakes again.
+    pub closed_connections: u64,
     /// Prefill side: pull notes dropped because their sender never fetched this rank's
     /// metadata, already counted for the request, or named another reader count.
     pub refused_notes: u64,
@@ -131,6 +135,7 @@ impl PullMetrics {
         self.refused_loads += o.refused_loads;
         self.lost_connections += o.lost_connections;
         self.peer_restarts += o.peer_restarts;
+        self.closed_connections += o.closed_connections;
         self.refused_notes += o.refused_notes;
         self.handshake_time += o.handshake_time;
         self.handshakes += o.handshakes;
@@ -173,6 +178,7 @@ mod tests {
             refused_loads: n,
             lost_connections: n,
             peer_restarts: n,
+            closed_connections: n,
             refused_notes: n,
             handshake_time: ms(n),
             handshakes: n,

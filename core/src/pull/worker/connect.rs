@@ -122,6 +122,8 @@ impl<T: Transport> PullWorker<T> {
                     .tally(self.clock.now().saturating_sub(outcome.started));
                 tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), connect_ms, "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
+                self.engine_used
+                    .insert(outcome.engine_id.clone(), self.clock.now());
                 self.engines.insert(
                     outcome.engine_id.clone(),
                     Engine::Ready {
@@ -449,6 +451,7 @@ impl<T: Transport> PullWorker<T> {
         let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
             return;
         };
+        self.engine_used.remove(engine_id);
         self.metrics.lost_connections.tally(1);
         tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
         let doomed: Vec<String> = self
@@ -474,6 +477,43 @@ impl<T: Transport> PullWorker<T> {
         }
         for r in ranks.into_values() {
             self.forget_rank(&r);
+        }
+    }
+    /// Closes connections no request needs (each heartbeat tick; `busy`: the engines
+    /// requests load from or wait for): a connected engine outside `busy` whose rank the
+    /// transport saw fail (it died, or restarted under a new engine id, which no request
+    /// names again), or that was last needed `idle_engine_timeout` ago. No load runs on it,
+    /// so only its peers and lists go; a later request handshakes again.
+    pub(super) fn close_unneeded(&mut self, busy: &[String], now: Duration) {
+        for e in busy {
+            self.engine_used.insert(e.clone(), now);
+        }
+        let idle = self.config.idle_engine_timeout;
+        let closing: Vec<(String, &'static str)> = self
+            .engines
+            .iter()
+            .filter(|(id, _)| !busy.contains(id) && !self.queued.contains_key(*id))
+            .filter_map(|(id, e)| {
+                let Engine::Ready { ranks, .. } = e else {
+                    return None;
+                };
+                if ranks.values().any(|r| self.transport.peer_failed(r.peer)) {
+                    return Some((id.clone(), "a rank failed"));
+                }
+                let since = self.engine_used.get(id).copied().unwrap_or(now);
+                (now.saturating_sub(since) >= idle).then(|| (id.clone(), "idle"))
+            })
+            .collect();
+        for (id, why) in closing {
+            if let Some(Engine::Ready { ranks, .. }) = self.engines.remove(&id) {
+                for r in ranks.into_values() {
+                    self.forget_rank(&r);
+                }
+            }
+            self.engine_used.remove(&id);
+            self.instances.retain(|(e, _), _| *e != id);
+            self.metrics.closed_connections.tally(1);
+            tracing::info!(engine = %id, reason = why, "closed the connection to a prefill engine no request needs: the next load handshakes again");
         }
     }
     /// Records the instance each rank named; a new one under a known (engine, rank) is a

@@ -604,9 +604,11 @@ impl<T: Transport> PullWorker<T> {
             return;
         }
         self.last_heartbeat = now;
-        for engine_id in self.engines_of(true) {
-            self.heartbeat(&engine_id);
+        let busy = self.engines_of(true);
+        for engine_id in &busy {
+            self.heartbeat(engine_id);
         }
+        self.close_unneeded(&busy, now);
     }
     /// The engines that requests load from (and, with `waiting`, wait to), each once.
     pub(super) fn engines_of(&self, waiting: bool) -> Vec<String> {
