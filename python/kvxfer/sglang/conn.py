@@ -628,6 +628,14 @@ class KvxferKVBootstrapServer(CommonKVBootstrapServer):
     it tells at ``/kvxfer``."""
 
     def __init__(self, host: str, port: int) -> None:
+        # The registry must answer wherever SGLang's bootstrap server does (decodes learn its
+        # port there and connect to the same host): an empty host is all interfaces to
+        # SGLang's server (aiohttp), so it is to the registry too.
+        if not host:
+            log.warning(
+                "kvxfer: SGLang passed an empty bootstrap host, so its bootstrap server and "
+                "kvxfer's push registry listen on every interface; set --host to restrict both"
+            )
         self.registry = kvxfer.PushRegistry(host or "0.0.0.0", 0)
         super().__init__(host, port)
         log.info("kvxfer: push registry on port %d", self.registry.port)
