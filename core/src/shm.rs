@@ -646,6 +646,16 @@ mod tests {
         wrong_token.token[0] ^= 1;
         let err = PeerFile::attach(&owner, &wrong_token).unwrap_err();
         assert!(err.contains("not the advertised"), "{err}");
+        let smaller = Export {
+            file_len: e.file_len - 4096,
+            ..e
+        };
+        assert!(
+            PeerFile::attach(&owner, &smaller)
+                .unwrap_err()
+                .contains("advertised"),
+            "a file larger than advertised, every page allocated"
+        );
         let bigger = Export {
             file_len: e.file_len + 4096,
             ..e
@@ -841,6 +851,14 @@ mod tests {
             owner.places(file, 0x1000_0000, 0x1000, 0),
             "a whole mapping"
         );
+        // An empty line for the same start, listed after the mapping, is no mapping.
+        let text = "1000-2000 rw-s 00000000 00:01 7 /memfd:x\n1000-1000 rw-s 00000000 00:01 7 /x";
+        let owner = Owner {
+            pid: 0,
+            pidfd: me().pidfd,
+            maps: parse_maps(text),
+        };
+        assert!(owner.places(file, 0x1000, 16, 0));
     }
 
     #[test]
