@@ -1037,4 +1037,18 @@ fn connections_no_request_needs_are_closed() {
     read(&mut dec, &mut pre, "b");
     let m = dec.workers[0].take_metrics();
     assert_eq!((m.closed_connections, m.handshakes), (1, 2));
+    // A closed connection is forgotten whole: the engine restarted after it was closed
+    // is a first connection, not a restart (nothing of it is kept to compare).
+    for _ in 0..12 {
+        manual.advance(Duration::from_secs(5));
+        dec.poll();
+    }
+    drop(pre);
+    let mut pre = engine("close-live", &model, 1, true, Arc::clone(&c), &lb, &tune);
+    read(&mut dec, &mut pre, "c");
+    let m = dec.workers[0].take_metrics();
+    assert_eq!(
+        (m.closed_connections, m.handshakes, m.peer_restarts),
+        (1, 1, 0)
+    );
 }

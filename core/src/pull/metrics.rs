@@ -56,7 +56,8 @@ pub struct PullMetrics {
     /// Cached connections to a prefill engine dropped after a failed transfer or a peer
     /// the transport saw fail (the next load for that engine handshakes again).
     pub lost_connections: u64,
-    /// Handshakes that found a new instance under a known engine id and rank: a restart.
+    /// Handshakes that found a new instance under a known engine id and rank: a restart
+    /// (seen across a lost connection; a connection closed as unneeded is forgotten whole).
     pub peer_restarts: u64,
     /// Connections to prefill engines no request needed closed: a rank the transport saw
     /// fail (a dead prefill, or one restarted under a new engine id), or unused for
