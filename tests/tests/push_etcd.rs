@@ -209,6 +209,17 @@ fn two_engines_naming_one_bootstrap_address_are_refused() {
     with_etcd("two engines naming one address", |etcd| {
         let (dir, pre, _dec) = sides(etcd, 1, "pe4", |_| {});
         let _rightful = register(etcd, &pre, 0, 40);
+        // Another engine at another address is no rival.
+        let elsewhere: Addr = ("127.0.0.1".into(), 2);
+        let info = pre.ranks[0].rank_info().clone();
+        let records = push_records("t", "other", &elsewhere, 42, &[info]).unwrap();
+        let _other = Registrar::start(client(etcd), Duration::from_secs(2), records).unwrap();
+        wait_until("the other engine", || {
+            matches!(
+                dir.query(&elsewhere, LIMIT),
+                Ok(FromRegistry::Layout { .. })
+            )
+        });
         wait_until("the rightful engine", || {
             matches!(
                 dir.query(&nowhere(), LIMIT),

@@ -445,6 +445,42 @@ fn mappings_are_bounded_per_peer_and_in_all_and_never_claimed_twice() {
     assert_eq!(a.shared_memory_refusals(), 3);
     assert_eq!(a.shared_memory_mappings(), 2);
 
+    // Two regions of one memfd are one mapping, each read through it.
+    let mut halves = UcxTransport::with_config("bound-halves", config("tcp,self", true)).unwrap();
+    let whole = Buffer::new(8192, Some(9));
+    let regs: Vec<_> = [0, 4096]
+        .map(|at| {
+            halves
+                .register(H, AddrRange::new(whole.addr(at), 4096))
+                .unwrap()
+        })
+        .into();
+    a.remove_peer(po).unwrap();
+    let ph = a.load_peer(&halves.metadata().unwrap()).unwrap();
+    assert!(a.maps_peer(ph));
+    assert_eq!(
+        a.shared_memory_mappings(),
+        3,
+        "two peers: two memfds and one"
+    );
+    for at in [0, 4096] {
+        let x = a
+            .post(
+                Op::Read,
+                ph,
+                (H, H),
+                &[dst.range()],
+                &[AddrRange::new(whole.addr(at), 4096)],
+                None,
+            )
+            .unwrap();
+        assert_eq!(wait(&mut a, x), XferStatus::Done);
+        assert_eq!(dst.bytes(), &whole.bytes()[at as usize..at as usize + 4096]);
+    }
+    assert_eq!(a.shared_memory_transfers(), 3);
+    a.remove_peer(ph).unwrap();
+    drop(regs);
+
     // Once the mapped peer is gone, its mappings are room for others.
     a.remove_peer(p2).unwrap();
     a.remove_peer(pi).unwrap();

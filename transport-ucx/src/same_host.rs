@@ -106,9 +106,10 @@ impl PeerMaps {
                         ));
                     }
                     Ok(f) => {
+                        let k = files.len();
                         files.push(f);
-                        index.insert(e.token, files.len() - 1);
-                        files.len() - 1
+                        index.insert(e.token, k);
+                        k
                     }
                     Err(why) => {
                         tracing::info!(peer = %meta.name, "not mapping shared memory: {why}");
