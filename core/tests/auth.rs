@@ -1,13 +1,14 @@
 //! Side-channel authentication over real sockets. The key is process-wide (servers take it
 //! when they bind, clients when they send), so this binary holds one test that walks through
-//! the cases in order: the right key works; no key, a wrong key and replayed requests are
-//! refused and counted; refused requests never reach a handler.
+//! the cases in order: the right key works; no key, a wrong key, replayed requests and
+//! requests sealed for another server are refused and counted; refused requests never reach
+//! a handler.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvxfer_core::sidechannel::auth::{REFUSED_REPLY, SideKey, install_key};
+use kvxfer_core::sidechannel::auth::{Destination, REFUSED_REPLY, SideKey, install_key};
 use kvxfer_core::sidechannel::{
     FetchError, Listener, MessageServer, fetch_metadata, request_bytes,
 };
@@ -46,10 +47,12 @@ fn keyed_side_channel_refuses_and_counts_outsiders() {
     let listener = Listener::bind("127.0.0.1", 0, 0, meta().encode()).unwrap();
     let calls = Arc::new(AtomicU64::new(0));
     let seen = Arc::clone(&calls);
+    let mb = Destination::mailbox("prefill-rank-0");
     let server = MessageServer::bind(
         "127.0.0.1",
         0,
         1 << 20,
+        |_| mb.clone(),
         Box::new(move |req| {
             seen.fetch_add(1, Ordering::SeqCst);
             req.to_vec()
@@ -59,29 +62,53 @@ fn keyed_side_channel_refuses_and_counts_outsiders() {
     let refused = || listener.stats().refused.load(Ordering::Relaxed);
 
     // The right key: metadata and echoes go through, sealed both ways.
-    let got = fetch_metadata("127.0.0.1", listener.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap();
+    let got = fetch_metadata(
+        "127.0.0.1",
+        listener.port(),
+        "prefill",
+        None,
+        T,
+        MAX_HANDSHAKE_BYTES,
+    )
+    .unwrap();
     assert_eq!(got, meta());
     assert_eq!(
-        request_bytes("127.0.0.1", server.port(), b"ping", T, 1 << 20).unwrap(),
+        request_bytes("127.0.0.1", server.port(), &mb, b"ping", T, 1 << 20).unwrap(),
         b"ping"
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 
     // No key: refused with a clear error, counted, the handler never runs.
     install_key(None);
-    let e = fetch_metadata("127.0.0.1", listener.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap_err();
+    let e = fetch_metadata(
+        "127.0.0.1",
+        listener.port(),
+        "prefill",
+        None,
+        T,
+        MAX_HANDSHAKE_BYTES,
+    )
+    .unwrap_err();
     assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
     assert!(e.to_string().contains("no key is configured"), "{e}");
-    let e = request_bytes("127.0.0.1", server.port(), b"register me", T, 1 << 20).unwrap_err();
+    let e = request_bytes("127.0.0.1", server.port(), &mb, b"register me", T, 1 << 20).unwrap_err();
     assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
     assert_eq!(refused(), 1);
     assert_eq!(server.refused(), 1);
 
     // A wrong key: refused, counted, the handler never runs; the reply is not accepted.
     install_key(key(wrong));
-    let e = fetch_metadata("127.0.0.1", listener.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap_err();
+    let e = fetch_metadata(
+        "127.0.0.1",
+        listener.port(),
+        "prefill",
+        None,
+        T,
+        MAX_HANDSHAKE_BYTES,
+    )
+    .unwrap_err();
     assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
-    let e = request_bytes("127.0.0.1", server.port(), b"write here", T, 1 << 20).unwrap_err();
+    let e = request_bytes("127.0.0.1", server.port(), &mb, b"write here", T, 1 << 20).unwrap_err();
     assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
     assert_eq!((refused(), server.refused()), (2, 2));
     assert_eq!(
@@ -93,14 +120,14 @@ fn keyed_side_channel_refuses_and_counts_outsiders() {
     // A captured authentic request sent again (raw, as an attacker would) is refused.
     let (sealed, _) = SideKey::new(right.as_bytes())
         .unwrap()
-        .seal_request(b"once");
+        .seal_request(&mb, b"once");
     install_key(None);
-    let first = request_bytes("127.0.0.1", server.port(), &sealed, T, 1 << 20);
+    let first = request_bytes("127.0.0.1", server.port(), &mb, &sealed, T, 1 << 20);
     // Without our key we cannot open the sealed echo, but it was served...
     assert!(first.is_ok(), "{first:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     // ...and the replay is not.
-    let again = request_bytes("127.0.0.1", server.port(), &sealed, T, 1 << 20).unwrap_err();
+    let again = request_bytes("127.0.0.1", server.port(), &mb, &sealed, T, 1 << 20).unwrap_err();
     assert!(matches!(again, FetchError::Auth { .. }), "{again:?}");
     assert_eq!(
         calls.load(Ordering::SeqCst),
@@ -109,18 +136,50 @@ fn keyed_side_channel_refuses_and_counts_outsiders() {
     );
     assert_eq!(server.refused(), 3);
 
+    // Sealed with the right key for another server: another mailbox, another engine's
+    // listener on the same key. Refused, counted, never handled.
+    let key_right = SideKey::new(right.as_bytes()).unwrap();
+    let (for_other, _) = key_right.seal_request(&Destination::mailbox("prefill-rank-1"), b"x");
+    let e = request_bytes("127.0.0.1", server.port(), &mb, &for_other, T, 1 << 20).unwrap_err();
+    assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
+    assert_eq!((server.refused(), calls.load(Ordering::SeqCst)), (4, 2));
+    install_key(key(right));
+    let e = fetch_metadata(
+        "127.0.0.1",
+        listener.port(),
+        "prefill-b",
+        None,
+        T,
+        MAX_HANDSHAKE_BYTES,
+    )
+    .unwrap_err();
+    assert!(matches!(e, FetchError::Auth { .. }), "{e:?}");
+    assert_eq!(
+        refused(),
+        3,
+        "a request for engine prefill-b at engine prefill's listener"
+    );
+
     // Garbage does not stop the keyed servers from serving the right key.
     install_key(None);
     for junk in [&b""[..], b"\xc1", &[0u8; 3000], REFUSED_REPLY] {
-        let _ = request_bytes("127.0.0.1", listener.port(), junk, T, 1 << 20);
+        let _ = request_bytes("127.0.0.1", listener.port(), &mb, junk, T, 1 << 20);
     }
     install_key(key(right));
     assert_eq!(
-        fetch_metadata("127.0.0.1", listener.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap(),
+        fetch_metadata(
+            "127.0.0.1",
+            listener.port(),
+            "prefill",
+            None,
+            T,
+            MAX_HANDSHAKE_BYTES
+        )
+        .unwrap(),
         meta()
     );
     assert_eq!(
-        request_bytes("127.0.0.1", server.port(), b"pong", T, 1 << 20).unwrap(),
+        request_bytes("127.0.0.1", server.port(), &mb, b"pong", T, 1 << 20).unwrap(),
         b"pong"
     );
 

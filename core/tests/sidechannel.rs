@@ -10,6 +10,9 @@ use kvxfer_core::sidechannel::{
 use kvxfer_core::wire::handshake::{GET_META_MSG, HandshakeMeta, MAX_HANDSHAKE_BYTES};
 
 const T: Duration = Duration::from_secs(5);
+/// The engine requests name (bound into a request only with a side-channel key, which
+/// these tests do not set).
+const ENGINE: &str = "prefill";
 
 fn meta(engine: &str, rank: u32) -> HandshakeMeta {
     HandshakeMeta {
@@ -35,21 +38,45 @@ fn handshake_hands_over_exact_metadata() {
     let m = meta("prefill", 0);
     let l = Listener::bind("127.0.0.1", 0, 0, m.encode()).expect("bind");
     let start = Instant::now();
-    let got = fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).expect("fetch");
+    let got =
+        fetch_metadata("127.0.0.1", l.port(), ENGINE, None, T, MAX_HANDSHAKE_BYTES).expect("fetch");
     let took = start.elapsed();
     assert_eq!(got, m);
     println!("handshake over loopback TCP took {took:?}");
     // Requests naming a rank.
     l.set_reply(1, meta("prefill", 1).encode());
     assert_eq!(
-        fetch_metadata("127.0.0.1", l.port(), Some(1), T, MAX_HANDSHAKE_BYTES).unwrap(),
+        fetch_metadata(
+            "127.0.0.1",
+            l.port(),
+            ENGINE,
+            Some(1),
+            T,
+            MAX_HANDSHAKE_BYTES
+        )
+        .unwrap(),
         meta("prefill", 1)
     );
     assert_eq!(
-        fetch_metadata("127.0.0.1", l.port(), Some(0), T, MAX_HANDSHAKE_BYTES).unwrap(),
+        fetch_metadata(
+            "127.0.0.1",
+            l.port(),
+            ENGINE,
+            Some(0),
+            T,
+            MAX_HANDSHAKE_BYTES
+        )
+        .unwrap(),
         m
     );
-    let unknown = fetch_metadata("127.0.0.1", l.port(), Some(7), T, MAX_HANDSHAKE_BYTES);
+    let unknown = fetch_metadata(
+        "127.0.0.1",
+        l.port(),
+        ENGINE,
+        Some(7),
+        T,
+        MAX_HANDSHAKE_BYTES,
+    );
     assert!(
         matches!(unknown, Err(FetchError::BadReply { .. })),
         "{unknown:?}"
@@ -65,7 +92,8 @@ fn handshake_hands_over_exact_metadata() {
 #[test]
 fn readers_named_in_served_requests_are_known() {
     let l = Listener::bind("127.0.0.1", 0, 0, meta("prefill", 0).encode()).expect("bind");
-    let fetch = |rank, name| fetch_metadata_for("127.0.0.1", l.port(), rank, name, T, 1 << 20);
+    let fetch =
+        |rank, name| fetch_metadata_for("127.0.0.1", l.port(), ENGINE, rank, name, T, 1 << 20);
     assert_eq!(fetch(0, "decode-0").unwrap(), meta("prefill", 0));
     assert!(fetch(7, "decode-7").is_err());
     let readers = l.readers();
@@ -120,6 +148,7 @@ fn nobody_listening_times_out() {
     let r = fetch_metadata(
         "127.0.0.1",
         port,
+        ENGINE,
         None,
         Duration::from_millis(200),
         MAX_HANDSHAKE_BYTES,
@@ -153,7 +182,7 @@ fn malformed_replies_are_errors_not_panics() {
         ("empty", Vec::new()),
     ] {
         let l = Listener::bind("127.0.0.1", 0, 0, reply).expect("bind");
-        let r = fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES);
+        let r = fetch_metadata("127.0.0.1", l.port(), ENGINE, None, T, MAX_HANDSHAKE_BYTES);
         assert!(
             matches!(r, Err(FetchError::BadReply { .. })),
             "{name}: {r:?}"
@@ -161,7 +190,14 @@ fn malformed_replies_are_errors_not_panics() {
     }
     // A reply above the client's limit is refused too (ZMQ drops it: a timeout or bad reply).
     let l = Listener::bind("127.0.0.1", 0, 0, good).expect("bind");
-    let r = fetch_metadata("127.0.0.1", l.port(), None, Duration::from_millis(300), 64);
+    let r = fetch_metadata(
+        "127.0.0.1",
+        l.port(),
+        ENGINE,
+        None,
+        Duration::from_millis(300),
+        64,
+    );
     assert!(r.is_err(), "oversized reply accepted");
 }
 
@@ -189,8 +225,8 @@ fn garbage_requests_do_not_stop_the_listener() {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", l.port())).unwrap();
         let _ = s.write_all(&[0xffu8; 4096]);
     }
-    let got =
-        fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).expect("still serving");
+    let got = fetch_metadata("127.0.0.1", l.port(), ENGINE, None, T, MAX_HANDSHAKE_BYTES)
+        .expect("still serving");
     assert_eq!(got, m);
     // The garbage travels on other connections: wait (bounded) until the listener counted it.
     let start = Instant::now();
@@ -251,7 +287,7 @@ fn a_vllm_request_gets_the_vllm_payload_and_our_clock() {
     // Another rank is not served; kvxfer's own requests still are.
     assert!(matches!(ask(1), Err(FetchError::BadReply { .. })));
     assert_eq!(
-        fetch_metadata("127.0.0.1", l.port(), None, T, MAX_HANDSHAKE_BYTES).unwrap(),
+        fetch_metadata("127.0.0.1", l.port(), ENGINE, None, T, MAX_HANDSHAKE_BYTES).unwrap(),
         meta("prefill", 0)
     );
 }
@@ -339,6 +375,7 @@ fn an_unanswered_metadata_request_is_asked_again_within_the_timeout() {
     let got = fetch_metadata(
         "127.0.0.1",
         port,
+        ENGINE,
         None,
         Duration::from_secs(20),
         MAX_HANDSHAKE_BYTES,
@@ -358,7 +395,14 @@ fn an_unanswered_metadata_request_is_asked_again_within_the_timeout() {
     let (_silent, port) = bound_router();
     let timeout = Duration::from_millis(2500);
     let start = Instant::now();
-    let got = fetch_metadata("127.0.0.1", port, None, timeout, MAX_HANDSHAKE_BYTES);
+    let got = fetch_metadata(
+        "127.0.0.1",
+        port,
+        ENGINE,
+        None,
+        timeout,
+        MAX_HANDSHAKE_BYTES,
+    );
     let elapsed = start.elapsed();
     assert_eq!(
         got,

@@ -136,8 +136,9 @@ fn a_second_load_of_a_request_in_flight_is_refused_and_the_first_completes() {
 fn prefill_metadata(params: &KvTransferParams) -> HandshakeMeta {
     let host = params.remote_host.clone().unwrap();
     let port = params.remote_port.unwrap();
+    let engine_id = params.remote_engine_id.clone().unwrap();
     let wait = std::time::Duration::from_secs(5);
-    fetch_metadata(&host, port, None, wait, MAX_HANDSHAKE_BYTES).unwrap()
+    fetch_metadata(&host, port, &engine_id, None, wait, MAX_HANDSHAKE_BYTES).unwrap()
 }
 
 /// Serves `meta` from a listener of its own, and `params` pointed at it: the same prefill,

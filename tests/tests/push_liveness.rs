@@ -13,6 +13,7 @@ use kvxfer_core::push::messages::{
     self, FromPrefill, FromRegistry, RankInfo, ToPrefill, ToRegistry, encode,
 };
 use kvxfer_core::sidechannel::MessageServer;
+use kvxfer_core::sidechannel::auth::Destination;
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::pull_env::Model;
 use kvxfer_tests::push_env::{DecodeSide, Setup, decode};
@@ -36,10 +37,12 @@ impl FakePrefill {
         let aborts = Arc::new(AtomicU64::new(0));
         let (p, h, me) = (Arc::clone(&probes), Arc::clone(&healthy), Arc::clone(&port));
         let a = Arc::clone(&aborts);
+        // Registry and mailbox in one (no side-channel key here: the name is not checked).
         let server = MessageServer::bind(
             "127.0.0.1",
             0,
             1 << 20,
+            Destination::registry,
             Box::new(
                 move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
                     Ok(ToRegistry::Query) => {

@@ -11,6 +11,7 @@ use kvxfer_core::push::messages::{
     ToRegistry, encode,
 };
 use kvxfer_core::push::{RoomStatus, StateKind};
+use kvxfer_core::sidechannel::auth::Destination;
 use kvxfer_core::sidechannel::{MessageServer, request_bytes};
 use kvxfer_core::wire::handshake::LayoutWire;
 use kvxfer_layout::BlockOrder;
@@ -124,6 +125,7 @@ fn a_registry_layout_with_zero_stages_fails_the_room() {
         "127.0.0.1",
         0,
         1 << 20,
+        Destination::registry,
         Box::new(
             move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
                 Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
@@ -158,6 +160,7 @@ fn mailbox(pre: &PrefillSide) -> RankInfo {
         &request_bytes(
             "127.0.0.1",
             pre.registry.port(),
+            &Destination::registry(pre.registry.port()),
             &encode(&ToRegistry::Query),
             Duration::from_secs(5),
             1 << 20,
@@ -197,6 +200,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
     let reply = request_bytes(
         &mailbox.host,
         mailbox.port,
+        &Destination::mailbox(&mailbox.agent),
         &encode(&ToPrefill::Register(args)),
         Duration::from_secs(5),
         1 << 20,
@@ -225,6 +229,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
     let _ = request_bytes(
         &mailbox.host,
         mailbox.port,
+        &Destination::mailbox(&mailbox.agent),
         &encode(&ToPrefill::Room(room)),
         Duration::from_secs(5),
         1 << 20,
@@ -310,6 +315,7 @@ fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
     let _ = request_bytes(
         &mailbox.host,
         mailbox.port,
+        &Destination::mailbox(&mailbox.agent),
         &encode(&ToPrefill::Register(args)),
         Duration::from_secs(5),
         1 << 20,
@@ -424,6 +430,7 @@ fn open_room(pre: &mut PrefillSide, req: RoomRequest) -> Option<String> {
     let reply = request_bytes(
         &mailbox.host,
         mailbox.port,
+        &Destination::mailbox(&mailbox.agent),
         &encode(&ToPrefill::Room(req)),
         Duration::from_secs(120),
         messages::MAX_MESSAGE_BYTES,

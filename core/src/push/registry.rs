@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::messages::{FromRegistry, MAX_MESSAGE_BYTES, RankInfo, ToRegistry, decode, encode};
+use crate::sidechannel::auth::Destination;
 use crate::sidechannel::{MessageServer, request_bytes};
 
 /// A running registry; dropping it stops serving.
@@ -101,6 +102,7 @@ impl BootstrapRegistry {
             host,
             port,
             MAX_MESSAGE_BYTES,
+            Destination::registry,
             Box::new(move |bytes| encode(&answer(&ranks, instance, bytes))),
         )?;
         Ok(BootstrapRegistry { server, instance })
@@ -124,7 +126,8 @@ pub fn ask_registry(
     msg: &ToRegistry,
     timeout: Duration,
 ) -> Result<FromRegistry, String> {
-    let reply = request_bytes(host, port, &encode(msg), timeout, MAX_MESSAGE_BYTES)
+    let to = Destination::registry(port);
+    let reply = request_bytes(host, port, &to, &encode(msg), timeout, MAX_MESSAGE_BYTES)
         .map_err(|e| e.to_string())?;
     decode(&reply, "registry reply").map_err(|e| e.to_string())
 }
@@ -192,8 +195,15 @@ mod tests {
         }
         assert_eq!(ask(&ToRegistry::Health), FromRegistry::Ok);
         // Garbage gets an error reply, and the registry keeps serving.
-        let junk =
-            request_bytes("127.0.0.1", reg.port(), b"\xc1junk", t, MAX_MESSAGE_BYTES).unwrap();
+        let junk = request_bytes(
+            "127.0.0.1",
+            reg.port(),
+            &Destination::registry(reg.port()),
+            b"\xc1junk",
+            t,
+            MAX_MESSAGE_BYTES,
+        )
+        .unwrap();
         assert!(matches!(
             decode::<FromRegistry>(&junk, "r").unwrap(),
             FromRegistry::Error { .. }

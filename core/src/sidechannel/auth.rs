@@ -4,15 +4,18 @@
 //! [`install_key`]), every request and reply on the side channel — pull handshakes, the push
 //! registry and mailboxes — is sealed with HMAC-SHA256 and checked in constant time. A request
 //! carries a random nonce and the sender's clock; a server refuses nonces it has seen and
-//! clocks outside [`WINDOW`], so a captured request cannot be replayed. A reply is bound to its
+//! clocks outside [`WINDOW`], so a captured request cannot be replayed to it. Its MAC also
+//! covers its [`Destination`] (the server's role and name), so it cannot be replayed to
+//! another server with the same key either. A reply is bound to its
 //! request's nonce, so a captured reply cannot answer another request. Unauthenticated or
 //! wrongly keyed requests are refused (with a fixed plain reply, so a misconfigured peer gets
 //! a clear error), counted, and never reach a handler: they cannot make us register, read or
 //! write anything. Without a key, messages are exactly the reference wire format.
 //!
-//! Sealed request: `"KVXA" 1 | nonce[16] | time_ms u64 LE | mac[32] | payload`, mac over
-//! `"req" | nonce | time_ms | payload`. Sealed reply: `"KVXA" 1 | mac[32] | payload`, mac over
-//! `"rep" | request nonce | payload`.
+//! Sealed request: `"KVXA" 2 | nonce[16] | time_ms u64 LE | mac[32] | payload`, mac over
+//! `"req" | destination length u64 LE | destination | nonce | time_ms | payload`. Sealed
+//! reply: `"KVXA" 2 | mac[32] | payload`, mac over `"rep" | request nonce | payload`. (Version
+//! 1 had no destination: such peers are refused as wrongly keyed.)
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
@@ -24,7 +27,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use thiserror::Error;
 
-const MAGIC: &[u8; 5] = b"KVXA\x01";
+const MAGIC: &[u8; 5] = b"KVXA\x02";
 const NONCE: usize = 16;
 const TAG: usize = 32;
 /// How far a request's clock may be from ours (either way).
@@ -56,6 +59,43 @@ pub enum AuthError {
     /// Too many recent requests to remember.
     #[error("too many recent requests")]
     Busy,
+}
+
+/// The server a request is for, bound into its MAC: a role and a name both ends know
+/// without asking each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination(Vec<u8>);
+
+impl Destination {
+    /// The pull side channel of prefill engine `engine_id` (any of its ranks' listeners).
+    pub fn pull(engine_id: &str) -> Destination {
+        Self::of("pull", engine_id)
+    }
+
+    /// The push mailbox of the prefill rank whose transport agent is `agent`.
+    pub fn mailbox(agent: &str) -> Destination {
+        Self::of("mailbox", agent)
+    }
+
+    /// A push bootstrap registry, by the port it listens on: where a port is translated
+    /// between the two ends (a NAT), requests to it fail authentication.
+    pub fn registry(port: u16) -> Destination {
+        Self::of("registry", &port.to_string())
+    }
+
+    fn of(role: &str, name: &str) -> Destination {
+        let mut v = Vec::with_capacity(role.len().saturating_add(name.len()).saturating_add(1));
+        v.extend_from_slice(role.as_bytes());
+        v.push(0);
+        v.extend_from_slice(name.as_bytes());
+        Destination(v)
+    }
+
+    /// Its length as the MAC takes it, ahead of the bytes (so no two destinations and
+    /// payloads run together the same).
+    fn len_bytes(&self) -> [u8; 8] {
+        (self.0.len() as u64).to_le_bytes()
+    }
 }
 
 /// A shared secret.
@@ -122,11 +162,11 @@ impl SideKey {
         m.verify_slice(tag).map_err(|_| AuthError::BadMac)
     }
 
-    /// Seals a request; returns it with its nonce (to open the reply).
-    pub fn seal_request(&self, payload: &[u8]) -> (Vec<u8>, [u8; NONCE]) {
+    /// Seals a request for `to`; returns it with its nonce (to open the reply).
+    pub fn seal_request(&self, to: &Destination, payload: &[u8]) -> (Vec<u8>, [u8; NONCE]) {
         let nonce: [u8; NONCE] = rand::random();
         let time = now_ms().to_le_bytes();
-        let tag = self.mac(&[b"req", &nonce, &time, payload]);
+        let tag = self.mac(&[b"req", &to.len_bytes(), &to.0, &nonce, &time, payload]);
         let mut out = Vec::with_capacity(capacity(&[MAGIC.len(), NONCE, 8, TAG, payload.len()]));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&nonce);
@@ -136,10 +176,12 @@ impl SideKey {
         (out, nonce)
     }
 
-    /// Opens a request: MAC, clock window, then the replay check (only authentic requests
-    /// enter the nonce cache). Returns the nonce and payload.
+    /// Opens a request to `me`: MAC (a request sealed for another destination fails it),
+    /// clock window, then the replay check (only authentic requests enter the nonce cache).
+    /// Returns the nonce and payload.
     pub fn open_request<'a>(
         &self,
+        me: &Destination,
         bytes: &'a [u8],
         seen: &mut ReplayGuard,
     ) -> Result<([u8; NONCE], &'a [u8]), AuthError> {
@@ -152,7 +194,7 @@ impl SideKey {
         let (nonce, rest) = rest.split_at(NONCE);
         let (time, rest) = rest.split_at(8);
         let (tag, payload) = rest.split_at(TAG);
-        self.verify(&[b"req", nonce, time, payload], tag)?;
+        self.verify(&[b"req", &me.len_bytes(), &me.0, nonce, time, payload], tag)?;
         let sent = u64::from_le_bytes(time.try_into().expect("8 bytes"));
         let skew = now_ms().abs_diff(sent);
         if skew > WINDOW.as_millis() as u64 {
@@ -262,19 +304,41 @@ mod tests {
             k("another secret, also long enough"),
         );
         let mut guard = ReplayGuard::default();
-        let (req, nonce) = a.seal_request(b"get_meta_msg");
-        let (n, payload) = a.open_request(&req, &mut guard).unwrap();
+        let me = Destination::pull("prefill-0");
+        let (req, nonce) = a.seal_request(&me, b"get_meta_msg");
+        let (n, payload) = a.open_request(&me, &req, &mut guard).unwrap();
         assert_eq!((n, payload), (nonce, &b"get_meta_msg"[..]));
-        assert_eq!(a.open_request(&req, &mut guard), Err(AuthError::Replayed));
-        let (req2, _) = a.seal_request(b"x");
-        assert_eq!(b.open_request(&req2, &mut guard), Err(AuthError::BadMac));
         assert_eq!(
-            a.open_request(b"get_meta_msg", &mut guard),
+            a.open_request(&me, &req, &mut guard),
+            Err(AuthError::Replayed)
+        );
+        let (req2, _) = a.seal_request(&me, b"x");
+        assert_eq!(
+            b.open_request(&me, &req2, &mut guard),
+            Err(AuthError::BadMac)
+        );
+        assert_eq!(
+            a.open_request(&me, b"get_meta_msg", &mut guard),
             Err(AuthError::NotSealed)
         );
+        // Sealed for another server with the same key: another engine's listener, a
+        // mailbox or registry, or a name that only runs the role into it.
+        for other in [
+            Destination::pull("prefill-1"),
+            Destination::mailbox("prefill-0"),
+            Destination::registry(5600),
+            Destination::pull("prefill-0\0"),
+            Destination::of("pull\0prefill", "0"),
+        ] {
+            assert_eq!(
+                a.open_request(&other, &req2, &mut ReplayGuard::default()),
+                Err(AuthError::BadMac),
+                "{other:?}"
+            );
+        }
         for cut in 0..req2.len() {
             assert!(
-                a.open_request(&req2[..cut], &mut ReplayGuard::default())
+                a.open_request(&me, &req2[..cut], &mut ReplayGuard::default())
                     .is_err()
             );
         }
@@ -282,7 +346,8 @@ mod tests {
             let mut t = req2.clone();
             t[i] ^= 1;
             assert!(
-                a.open_request(&t, &mut ReplayGuard::default()).is_err(),
+                a.open_request(&me, &t, &mut ReplayGuard::default())
+                    .is_err(),
                 "bit flip at {i}"
             );
         }
@@ -302,14 +367,15 @@ mod tests {
         let a = k("a shared secret of 32 bytes!!!!");
         let nonce = [7u8; NONCE];
         let old = (now_ms() - WINDOW.as_millis() as u64 - 1000).to_le_bytes();
-        let tag = a.mac(&[b"req", &nonce, &old, b"p"]);
+        let me = Destination::registry(1);
+        let tag = a.mac(&[b"req", &me.len_bytes(), &me.0, &nonce, &old, b"p"]);
         let mut req = MAGIC.to_vec();
         req.extend_from_slice(&nonce);
         req.extend_from_slice(&old);
         req.extend_from_slice(&tag);
         req.push(b'p');
         assert!(matches!(
-            a.open_request(&req, &mut ReplayGuard::default()),
+            a.open_request(&me, &req, &mut ReplayGuard::default()),
             Err(AuthError::Stale(_))
         ));
     }

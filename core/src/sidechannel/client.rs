@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
+use super::auth::Destination;
 use super::{context, endpoint};
 use crate::wire::WireError;
 use crate::wire::handshake::{GET_META_MSG, HandshakeMeta};
@@ -55,12 +56,14 @@ pub const FIRST_ATTEMPT_WAIT: Duration = Duration::from_secs(1);
 /// The longest single wait of a metadata request.
 pub const MAX_ATTEMPT_WAIT: Duration = Duration::from_secs(8);
 
-/// Asks `host:port` for its metadata (`rank: None` sends exactly `get_meta_msg`, as the
-/// reference does; `Some(r)` names a TP rank). Every wait is bounded by `timeout`; a
-/// request unanswered is asked again ([`FIRST_ATTEMPT_WAIT`]).
+/// Asks `host:port`, a listener of prefill engine `engine_id` (bound into an authenticated
+/// request), for its metadata (`rank: None` sends exactly `get_meta_msg`, as the reference
+/// does; `Some(r)` names a TP rank). Every wait is bounded by `timeout`; a request
+/// unanswered is asked again ([`FIRST_ATTEMPT_WAIT`]).
 pub fn fetch_metadata(
     host: &str,
     port: u16,
+    engine_id: &str,
     rank: Option<u32>,
     timeout: Duration,
     max_reply: usize,
@@ -71,16 +74,19 @@ pub fn fetch_metadata(
             rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), r)).unwrap_or_default()
         }
     };
-    fetch(host, port, &request, timeout, max_reply)
+    let to = Destination::pull(engine_id);
+    fetch(host, port, &to, &request, timeout, max_reply)
 }
 
-/// Asks `host:port` for TP rank `rank`'s metadata on behalf of agent `reader`, which the
+/// Asks `host:port`, a listener of prefill engine `engine_id`, for TP rank `rank`'s
+/// metadata on behalf of agent `reader`, which the
 /// listener then counts among the peers whose read notifications it accepts (kvxfer
 /// listeners only). Every wait is bounded by `timeout`; a request unanswered is asked
 /// again ([`FIRST_ATTEMPT_WAIT`]).
 pub fn fetch_metadata_for(
     host: &str,
     port: u16,
+    engine_id: &str,
     rank: u32,
     reader: &str,
     timeout: Duration,
@@ -88,7 +94,8 @@ pub fn fetch_metadata_for(
 ) -> Result<HandshakeMeta, FetchError> {
     let request = rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META_MSG), rank, reader))
         .unwrap_or_default();
-    fetch(host, port, &request, timeout, max_reply)
+    let to = Destination::pull(engine_id);
+    fetch(host, port, &to, &request, timeout, max_reply)
 }
 
 /// What a vLLM 0.32 listener answered: its payload and its clock when it answered.
@@ -248,13 +255,14 @@ fn with_retries<R>(
 fn fetch(
     host: &str,
     port: u16,
+    to: &Destination,
     request: &[u8],
     timeout: Duration,
     max_reply: usize,
 ) -> Result<HandshakeMeta, FetchError> {
     let ep = endpoint(host, port);
     let reply = with_retries(&ep, timeout, |wait| {
-        request_bytes(host, port, request, wait, max_reply)
+        request_bytes(host, port, to, request, wait, max_reply)
     })?;
     HandshakeMeta::decode(&reply, max_reply).map_err(|error| FetchError::BadReply {
         endpoint: ep,
@@ -262,12 +270,13 @@ fn fetch(
     })
 }
 
-/// Sends one request and waits (at most `timeout`) for the reply, refusing replies larger
-/// than `max_reply`. With a side-channel key ([`super::auth`]) the request is sealed and the
-/// reply must be sealed for it.
+/// Sends one request to `host:port`, the server `to` names, and waits (at most `timeout`)
+/// for the reply, refusing replies larger than `max_reply`. With a side-channel key
+/// ([`super::auth`]) the request is sealed for `to` and the reply must be sealed for it.
 pub fn request_bytes(
     host: &str,
     port: u16,
+    to: &Destination,
     request: &[u8],
     timeout: Duration,
     max_reply: usize,
@@ -280,7 +289,7 @@ pub fn request_bytes(
     let key = super::auth::key().map_err(&auth_err)?;
     let (sealed, nonce) = match &key {
         Some(k) => {
-            let (s, n) = k.seal_request(request);
+            let (s, n) = k.seal_request(to, request);
             (Some(s), n)
         }
         None => (None, [0; 16]),

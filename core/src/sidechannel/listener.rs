@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 
+use super::auth::Destination;
 use super::readers::{KnownReaders, MAX_READER_NAME};
 use super::{bind_router, endpoint};
-use crate::wire::handshake::GET_META_MSG;
+use crate::wire::handshake::{GET_META_MSG, HandshakeMeta};
 use crate::wire::vllm;
 
 /// Requests larger than this are dropped unread (a real request is a few bytes).
@@ -44,9 +45,17 @@ impl Listener {
     /// Binds `host:port` (port 0 picks a free one) and serves `reply` for `rank`; requests
     /// of exactly `get_meta_msg` get this rank's reply, requests naming a rank get that
     /// rank's reply if this listener holds it, and the agent a request names as its reader
-    /// joins [`Listener::readers`] once it is served.
+    /// joins [`Listener::readers`] once it is served. `reply` names the engine: with a
+    /// side-channel key, only requests sealed for it are served.
     pub fn bind(host: &str, port: u16, rank: u32, reply: Vec<u8>) -> Result<Self, String> {
         let key = super::auth::key()?;
+        // Only a keyed listener needs its name (tests serve malformed replies without one).
+        let me = match &key {
+            None => Destination::pull(""),
+            Some(_) => HandshakeMeta::decode(&reply, reply.len())
+                .map(|m| Destination::pull(&m.engine_id))
+                .map_err(|e| format!("the listener's reply is not handshake metadata: {e}"))?,
+        };
         let (socket, port) = bind_router(host, port, MAX_REQUEST_BYTES, POLL_MS as i32)?;
         let bound = endpoint(host, port);
         let replies = Arc::new(RwLock::new(HashMap::from([(rank, reply)])));
@@ -69,7 +78,7 @@ impl Listener {
             };
             std::thread::Builder::new()
                 .name(format!("kvxfer-listen-{port}"))
-                .spawn(move || serve(socket, rank, key, &shared, &stop))
+                .spawn(move || serve(socket, rank, (key, &me), &shared, &stop))
                 .map_err(|e| format!("cannot start listener thread: {e}"))?
         };
         tracing::debug!(%bound, rank, "side channel listening");
@@ -173,7 +182,7 @@ struct Shared {
 fn serve(
     socket: zmq::Socket,
     own: u32,
-    key: Option<super::auth::SideKey>,
+    (key, me): (Option<super::auth::SideKey>, &Destination),
     shared: &Shared,
     stop: &AtomicBool,
 ) {
@@ -202,7 +211,7 @@ fn serve(
         let mut seen_nonce = None;
         let payload: &[u8] = match &key {
             None => payload,
-            Some(k) => match k.open_request(payload, &mut seen) {
+            Some(k) => match k.open_request(me, payload, &mut seen) {
                 Ok((nonce, p)) => {
                     seen_nonce = Some(nonce);
                     p

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
+use super::auth::Destination;
 use super::bind_router;
 
 /// Handles one request, returning the reply.
@@ -23,17 +24,20 @@ pub struct MessageServer {
 
 impl MessageServer {
     /// Binds `host:port` (0 picks a free port) and serves requests of at most `max_request`
-    /// bytes with `handler`. With a side-channel key ([`super::auth`]), requests that are not
-    /// sealed with it (or replayed) never reach the handler: they are counted and answered
-    /// with [`super::auth::REFUSED_REPLY`].
+    /// bytes with `handler`, as the server `me` names given the bound port. With a
+    /// side-channel key ([`super::auth`]), requests that are not sealed with it for `me`
+    /// (or replayed) never reach the handler: they are counted and answered with
+    /// [`super::auth::REFUSED_REPLY`].
     pub fn bind(
         host: &str,
         port: u16,
         max_request: usize,
+        me: impl FnOnce(u16) -> Destination,
         mut handler: Handler,
     ) -> Result<Self, String> {
         let key = super::auth::key()?;
         let (socket, port) = bind_router(host, port, max_request, 50)?;
+        let me = me(port);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let refused = Arc::new(AtomicU64::new(0));
@@ -53,7 +57,7 @@ impl MessageServer {
                     }
                     let reply = match &key {
                         None => handler(&frames[2]),
-                        Some(k) => match k.open_request(&frames[2], &mut seen) {
+                        Some(k) => match k.open_request(&me, &frames[2], &mut seen) {
                             Ok((nonce, payload)) => k.seal_reply(&nonce, &handler(payload)),
                             Err(e) => {
                                 counter.fetch_add(1, Ordering::Relaxed);

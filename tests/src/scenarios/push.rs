@@ -503,6 +503,7 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
     let mut pre = prefill_on(f, &s, "junk", Arc::clone(&c), None, None);
     let mut dec = decode_on(f, &s, "junk", c);
     let port = pre.ranks[0].port();
+    let to = kvxfer_core::sidechannel::auth::Destination::mailbox(&pre.ranks[0].rank_info().agent);
     let t = Duration::from_secs(5);
     let limit = kvxfer_core::push::messages::MAX_MESSAGE_BYTES;
     for junk in [
@@ -511,7 +512,7 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
         b"\xc1",
         &[0xdd, 0xff, 0xff, 0xff, 0xff],
     ] {
-        let reply = kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, junk, t, limit)
+        let reply = kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &to, junk, t, limit)
             .expect("a reply");
         assert!(String::from_utf8_lossy(&reply).contains("Error"));
     }
@@ -526,7 +527,8 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             digest: false,
         }),
     );
-    kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &foreign, t, limit).expect("reply");
+    kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &to, &foreign, t, limit)
+        .expect("reply");
     pre.ranks[0].poll();
     assert_eq!(pre.ranks[0].refused(), 1);
     // Real traffic still works.

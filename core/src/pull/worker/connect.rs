@@ -574,8 +574,8 @@ fn handshake(
     limit: usize,
 ) -> Result<(u32, Vec<(u32, Fetched)>), String> {
     let (host, port) = (at.host, at.port);
-    let first =
-        fetch_metadata_for(host, port, 0, at.reader, timeout, limit).map_err(|e| e.to_string())?;
+    let first = fetch_metadata_for(host, port, at.engine_id, 0, at.reader, timeout, limit)
+        .map_err(|e| e.to_string())?;
     let first = at.expect(port, first)?;
     let remote_tp =
         u32::try_from(first.tp_size).map_err(|_| "remote tp_size exceeds u32".to_string())?;
@@ -591,8 +591,8 @@ fn handshake(
             .checked_add(r)
             .and_then(|p| u16::try_from(p).ok())
             .ok_or_else(|| format!("port of prefill rank {r} exceeds 65535"))?;
-        let meta =
-            fetch_metadata_for(host, p, r, at.reader, timeout, limit).map_err(|e| e.to_string())?;
+        let meta = fetch_metadata_for(host, p, at.engine_id, r, at.reader, timeout, limit)
+            .map_err(|e| e.to_string())?;
         metas.push((r, kvxfer_peer(at.expect(p, meta)?)));
     }
     Ok((remote_tp, metas))

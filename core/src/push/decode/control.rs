@@ -14,6 +14,7 @@ use crate::push::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
     ToPrefill,
 };
+use crate::sidechannel::auth::Destination;
 use crate::sidechannel::request_bytes;
 
 pub(super) use crate::push::directory::Addr;
@@ -92,6 +93,7 @@ impl Control {
                     let _ = request_bytes(
                         &r.host,
                         r.port,
+                        &Destination::mailbox(&r.agent),
                         &msg,
                         self.config.request_timeout,
                         MAX_MESSAGE_BYTES,
@@ -207,6 +209,7 @@ fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<(), Strin
     let reply = request_bytes(
         &rank.host,
         rank.port,
+        &Destination::mailbox(&rank.agent),
         &messages::encode(msg),
         timeout,
         MAX_MESSAGE_BYTES,

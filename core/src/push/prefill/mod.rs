@@ -23,6 +23,7 @@ use super::registry::ask_registry;
 use super::status::RoomStatus;
 use crate::clock::Clock;
 use crate::sidechannel::MessageServer;
+use crate::sidechannel::auth::Destination;
 use crate::tally::Tally;
 use crate::transport::{AddrRange, PeerId, Registration, Transport, XferStatus};
 
@@ -146,10 +147,12 @@ impl<T: Transport> PushPrefill<T> {
             .register(&mut transport)
             .map_err(|e| PushError::Setup(e.to_string()))?;
         let (tx, inbox) = unbounded();
+        let me = Destination::mailbox(transport.name());
         let mailbox = MessageServer::bind(
             &config.host,
             config.port,
             MAX_MESSAGE_BYTES,
+            |_| me,
             Box::new(move |bytes| {
                 let reply = match messages::decode::<ToPrefill>(bytes, "push control message") {
                     Ok(ToPrefill::Health) => FromPrefill::Ok,
