@@ -363,6 +363,35 @@ mod tests {
     }
 
     #[test]
+    fn a_destination_cannot_be_shifted_into_the_nonce() {
+        // Sealed for engine "prefill-01", re-cut for engine "prefill-0": the destination's
+        // last byte read as the nonce's first, and so on down to the payload. Without the
+        // destination's length in the MAC, the bytes it covers would be the same.
+        let a = k("a shared secret of 32 bytes!!!!");
+        let (req, _) = a.seal_request(&Destination::pull("prefill-01"), b"payload");
+        let body = &req[MAGIC.len()..];
+        let (nonce, rest) = body.split_at(NONCE);
+        let (time, rest) = rest.split_at(8);
+        let (tag, payload) = rest.split_at(TAG);
+        let mut shifted = b"1".to_vec();
+        shifted.extend_from_slice(nonce);
+        shifted.extend_from_slice(time);
+        shifted.extend_from_slice(payload);
+        let mut forged = MAGIC.to_vec();
+        forged.extend_from_slice(&shifted[..NONCE + 8]);
+        forged.extend_from_slice(tag);
+        forged.extend_from_slice(&shifted[NONCE + 8..]);
+        assert_eq!(
+            a.open_request(
+                &Destination::pull("prefill-0"),
+                &forged,
+                &mut ReplayGuard::default()
+            ),
+            Err(AuthError::BadMac)
+        );
+    }
+
+    #[test]
     fn stale_requests_are_refused() {
         let a = k("a shared secret of 32 bytes!!!!");
         let nonce = [7u8; NONCE];
