@@ -122,14 +122,13 @@ impl<T: Transport> PullWorker<T> {
                     .tally(self.clock.now().saturating_sub(outcome.started));
                 tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), connect_ms, "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
-                self.engine_used
-                    .insert(outcome.engine_id.clone(), self.clock.now());
                 self.engines.insert(
                     outcome.engine_id.clone(),
                     Engine::Ready {
                         mapping,
                         ranks,
                         clock_offset,
+                        used: self.clock.now(),
                     },
                 );
                 for req in queued {
@@ -451,7 +450,6 @@ impl<T: Transport> PullWorker<T> {
         let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
             return;
         };
-        self.engine_used.remove(engine_id);
         self.metrics.lost_connections.tally(1);
         tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
         let doomed: Vec<String> = self
@@ -486,7 +484,9 @@ impl<T: Transport> PullWorker<T> {
     /// so only its peers and lists go; a later request handshakes again.
     pub(super) fn close_unneeded(&mut self, busy: &[String], now: Duration) {
         for e in busy {
-            self.engine_used.insert(e.clone(), now);
+            if let Some(Engine::Ready { used, .. }) = self.engines.get_mut(e) {
+                *used = now;
+            }
         }
         let idle = self.config.idle_engine_timeout;
         let closing: Vec<(String, &'static str)> = self
@@ -494,14 +494,13 @@ impl<T: Transport> PullWorker<T> {
             .iter()
             .filter(|(id, _)| !busy.contains(id) && !self.queued.contains_key(*id))
             .filter_map(|(id, e)| {
-                let Engine::Ready { ranks, .. } = e else {
+                let Engine::Ready { ranks, used, .. } = e else {
                     return None;
                 };
                 if ranks.values().any(|r| self.transport.peer_failed(r.peer)) {
                     return Some((id.clone(), "a rank failed"));
                 }
-                let since = self.engine_used.get(id).copied().unwrap_or(now);
-                (now.saturating_sub(since) >= idle).then(|| (id.clone(), "idle"))
+                (now.saturating_sub(*used) >= idle).then(|| (id.clone(), "idle"))
             })
             .collect();
         for (id, why) in closing {
@@ -510,7 +509,6 @@ impl<T: Transport> PullWorker<T> {
                     self.forget_rank(&r);
                 }
             }
-            self.engine_used.remove(&id);
             self.instances.retain(|(e, _), _| *e != id);
             self.metrics.closed_connections.tally(1);
             tracing::info!(engine = %id, reason = why, "closed the connection to a prefill engine no request needs: the next load handshakes again");

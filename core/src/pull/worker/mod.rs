@@ -140,6 +140,9 @@ enum Engine {
         ranks: HashMap<u32, RemoteRank>,
         /// A stock prefill's clock minus ours (seconds), from its handshake reply.
         clock_offset: Option<f64>,
+        /// When it was last needed: connected, or a request loading from or waiting for it
+        /// at a heartbeat tick.
+        used: Duration,
     },
 }
 
@@ -214,9 +217,6 @@ pub struct PullWorker<T: Transport> {
     engines: HashMap<String, Engine>,
     /// The last instance each (engine, rank) named in a handshake.
     instances: HashMap<(String, u32), u64>,
-    /// When each connected engine was last needed (connected, or a request loading from
-    /// or waiting for it at a heartbeat tick).
-    engine_used: HashMap<String, Duration>,
     queued: HashMap<String, Vec<RecvRequest>>,
     /// Requests waiting in the engine for blocks to load into, by request id: heartbeated
     /// like loads (see [`StepMeta::wait`]).
@@ -341,7 +341,6 @@ impl<T: Transport> PullWorker<T> {
             readers,
             engines: HashMap::new(),
             instances: HashMap::new(),
-            engine_used: HashMap::new(),
             queued: HashMap::new(),
             waiting: HashMap::new(),
             loads: HashMap::new(),
