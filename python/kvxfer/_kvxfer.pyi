@@ -202,6 +202,7 @@ class PushPrefill:
         port: int = 0,
         bootstrap_timeout: float = 300.0,
         request_timeout: float = 2.0,
+        idle_decode_timeout: float = 600.0,
     ) -> None: ...
     @property
     def port(self) -> int: ...

@@ -168,12 +168,14 @@ fn poll_while_idle(slot: &Arc<Slot<push::PushPrefill<AnyTransport>>>) -> std::io
 #[pymethods]
 impl PushPrefill {
     /// Registers the buffers, opens this rank's mailbox on `host:port` and registers the rank
-    /// with the registry at `registry`.
+    /// with the registry at `registry`. A decode idle for `idle_decode_timeout` seconds (or
+    /// whose connection failed) is forgotten; it registers again with its next room.
     #[new]
     #[pyo3(signature = (
         agent_name, transport, layout, *, registry, tp_rank, tp_size, pp_rank = 0,
         pp_size = 1, aux = Vec::new(), state = Vec::new(), state_kind = "none",
-        host = "127.0.0.1", port = 0, bootstrap_timeout = 300.0, request_timeout = 2.0
+        host = "127.0.0.1", port = 0, bootstrap_timeout = 300.0, request_timeout = 2.0,
+        idle_decode_timeout = 600.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -193,6 +195,7 @@ impl PushPrefill {
         port: u16,
         bootstrap_timeout: f64,
         request_timeout: f64,
+        idle_decode_timeout: f64,
     ) -> PyResult<Self> {
         let mut keep = Kept::new();
         let bufs = buffers(layout, aux, state, state_kind, &mut keep)?;
@@ -209,6 +212,7 @@ impl PushPrefill {
             registry,
             bootstrap_timeout: seconds("bootstrap_timeout", bootstrap_timeout)?,
             request_timeout: seconds("request_timeout", request_timeout)?,
+            idle_decode_timeout: seconds("idle_decode_timeout", idle_decode_timeout)?,
         };
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();

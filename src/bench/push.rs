@@ -122,6 +122,7 @@ fn prefill_side(
                 registry: (bind.0.into(), pre.registry.port()),
                 bootstrap_timeout: Duration::from_secs(60),
                 request_timeout: Duration::from_secs(5),
+                idle_decode_timeout: PushPrefillConfig::IDLE_DECODE_TIMEOUT,
             };
             let bufs = buffers(c, &mut pre.ranks[(i * c.prefill_tp + r) as usize]);
             let t = open(c.transport, &format!("bench-push-p{i}-{r}"))?;

@@ -245,6 +245,7 @@ pub fn prefill_on<F: TransportFactory>(
             registry: ("127.0.0.1".into(), registry.port()),
             bootstrap_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(5),
+            idle_decode_timeout: PushPrefillConfig::IDLE_DECODE_TIMEOUT,
         };
         (s.prefill_config)(&mut cfg);
         let t = f.create(&format!("{name}-p{pp}-{tp}"));

@@ -63,6 +63,12 @@ pub struct RegisterArgs {
     pub tp_size: u32,
     /// Decode TP rank.
     pub tp_rank: u32,
+    /// The decode registers again when a prefill answers a room with
+    /// [`FromPrefill::Unregistered`], so the prefill may forget it while idle. Left out when
+    /// false: older decodes do not send it and are forgotten only once their connection
+    /// failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reregisters: bool,
 }
 
 /// A room's destinations, sent by a decode rank to every prefill rank it needs.
@@ -253,6 +259,9 @@ pub enum FromRegistry {
 pub enum FromPrefill {
     /// Accepted.
     Ok,
+    /// A room from a decode this rank does not know (never registered, or forgotten):
+    /// register again, then send the room again.
+    Unregistered,
     /// Refused.
     Error {
         /// Why.

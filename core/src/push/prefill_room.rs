@@ -115,6 +115,17 @@ impl PrefillRoom {
         self.dests.keys().map(String::as_str)
     }
 
+    /// Whether the room still needs decode `agent`'s connection: it names `agent` and is
+    /// not final, holds WRITEs (to be polled or released), or has a failure to tell
+    /// `agent`. A decode no room needs can be forgotten.
+    pub fn needs(&self, agent: &str) -> bool {
+        let named = self.dests.contains_key(agent) || self.late.contains(agent);
+        named
+            && (!self.status.is_final()
+                || !self.xfers.is_empty()
+                || (self.status == RoomStatus::Failed && !self.told.contains(agent)))
+    }
+
     /// Fails the room (also one that succeeded: an abort overrides); the first reason is
     /// kept.
     pub fn fail(&mut self, reason: String) {
@@ -374,6 +385,36 @@ mod tests {
             1,
             "a finished room takes no destination"
         );
+    }
+
+    /// A room needs a destination's connection while it is open, while it holds WRITEs,
+    /// and until a failure was told to it (a late asker's too); never another agent's.
+    #[test]
+    fn a_room_needs_its_destinations_until_it_ended_released_and_told() {
+        let mut r = ready(2, &[("a", 2)]);
+        assert!(r.needs("a") && !r.needs("b"), "open");
+        let c = r.next_chunk(7, 2).expect("chunk");
+        r.chunk_posted(&c, vec![XferId(1)], None);
+        r.settle();
+        assert!(r.needs("a"), "writing");
+        r.keep_xfers(Vec::new());
+        r.settle();
+        assert_eq!(r.status(), RoomStatus::Success);
+        assert!(!r.needs("a"), "done");
+        let mut f = ready(2, &[("a", 2)]);
+        let c = f.next_chunk(7, 1).expect("chunk");
+        f.chunk_posted(&c, vec![XferId(2)], None);
+        f.fail("broken".into());
+        f.add_dest(dest("late", 2), None, 1);
+        assert_eq!(f.untold_failure().len(), 2);
+        assert!(f.needs("a") && f.needs("late"), "its WRITEs still held");
+        assert_eq!(f.take_xfers(), [XferId(2)]);
+        assert!(!f.needs("a") && !f.needs("late"), "released and told");
+        let mut untold = ready(2, &[("a", 2)]);
+        untold.fail("broken".into());
+        untold.add_dest(dest("late", 2), None, 1);
+        assert!(untold.needs("a") && untold.needs("late"), "not told yet");
+        assert!(!untold.needs("b"));
     }
 
     /// A destination's fold goes on across chunks; each destination has its own.

@@ -516,7 +516,6 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             .expect("a reply");
         assert!(String::from_utf8_lossy(&reply).contains("Error"));
     }
-    // A room from an agent that never registered is refused and counted.
     let foreign = kvxfer_core::push::messages::encode(
         &kvxfer_core::push::messages::ToPrefill::Room(kvxfer_core::push::messages::RoomRequest {
             room: 1,
@@ -527,10 +526,15 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             digest: false,
         }),
     );
-    kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &to, &foreign, t, limit)
+    // A room from an agent that never registered is answered: register first.
+    let reply = kvxfer_core::sidechannel::request_bytes("127.0.0.1", port, &to, &foreign, t, limit)
         .expect("reply");
+    assert_eq!(
+        kvxfer_core::push::messages::decode(&reply, "reply").ok(),
+        Some(kvxfer_core::push::messages::FromPrefill::Unregistered)
+    );
     pre.ranks[0].poll();
-    assert_eq!(pre.ranks[0].refused(), 1);
+    assert_eq!(pre.ranks[0].status(1), None, "nothing queued");
     // Real traffic still works.
     assert_eq!(
         run_room(&mut pre, &mut dec, 3, &[1], &[2], 1, None, (vec![], vec![])),

@@ -183,8 +183,9 @@ impl Control {
             .filter(|r| links.iter().any(|l| l.prefill_rank == r.tp_rank))
         {
             let key = (rank.tp_rank, rank.pp_rank);
+            let register = ToPrefill::Register(self.args.clone());
             if !registered.contains(&key) {
-                send(rank, &ToPrefill::Register(self.args.clone()), t)?;
+                send(rank, &register, t)?.accepted(rank)?;
                 registered.insert(key);
             }
             let data = links
@@ -199,13 +200,43 @@ impl Control {
                 // Noted before the send: one that times out may still have been delivered.
                 reached.push(rank.clone());
             }
-            send(rank, &ToPrefill::Room(msg), t)?;
+            let room = ToPrefill::Room(msg);
+            if send(rank, &room, t)? == Accepted::Unregistered {
+                // The rank forgot this decode (idle, or it restarted): once more, registered.
+                tracing::info!(
+                    prefill_rank = rank.tp_rank,
+                    agent = %rank.agent,
+                    "the prefill rank no longer knows this decode: registering again"
+                );
+                send(rank, &register, t)?.accepted(rank)?;
+                send(rank, &room, t)?.accepted(rank)?;
+            }
         }
         Ok((instance, ranks, registered))
     }
 }
 
-fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<(), String> {
+/// How a prefill rank took a message it did not refuse.
+#[derive(Debug, PartialEq, Eq)]
+enum Accepted {
+    Ok,
+    /// It does not know this decode: register, then send again.
+    Unregistered,
+}
+
+impl Accepted {
+    fn accepted(self, rank: &RankInfo) -> Result<(), String> {
+        match self {
+            Accepted::Ok => Ok(()),
+            Accepted::Unregistered => Err(format!(
+                "prefill rank {} does not know this decode although it registered (was the registration refused? see that rank's log)",
+                rank.tp_rank
+            )),
+        }
+    }
+}
+
+fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<Accepted, String> {
     let reply = request_bytes(
         &rank.host,
         rank.port,
@@ -216,7 +247,8 @@ fn send(rank: &RankInfo, msg: &ToPrefill, timeout: Duration) -> Result<(), Strin
     )
     .map_err(|e| e.to_string())?;
     match messages::decode::<FromPrefill>(&reply, "prefill reply").map_err(|e| e.to_string())? {
-        FromPrefill::Ok => Ok(()),
+        FromPrefill::Ok => Ok(Accepted::Ok),
+        FromPrefill::Unregistered => Ok(Accepted::Unregistered),
         FromPrefill::Error { reason } => {
             Err(format!("prefill rank {} refused: {reason}", rank.tp_rank))
         }

@@ -138,6 +138,7 @@ impl<T: Transport> PushDecode<T> {
             state: bufs.state.clone(),
             tp_size: config.tp.1,
             tp_rank: config.tp.0,
+            reregisters: true,
         };
         let (jobs, job_rx) = unbounded::<Job>();
         let (done_tx, done) = unbounded::<Done>();

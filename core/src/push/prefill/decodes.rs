@@ -5,10 +5,11 @@
 
 use kvxfer_layout::{CacheSide, TpMapping};
 
-use super::{Decode, PushPrefill};
+use super::{Decode, PushPrefill, lock};
 use crate::push::buffers::StateKind;
 use crate::push::messages::{self, RegisterArgs, RoomRequest};
-use crate::transport::{MemoryKind, Transport};
+use crate::tally::Tally;
+use crate::transport::{MemoryKind, PeerId, Transport};
 
 impl<T: Transport> PushPrefill<T> {
     pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
@@ -56,29 +57,82 @@ impl<T: Transport> PushPrefill<T> {
         }
         let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
             .map_err(|e| e.to_string())?;
-        if self
-            .decodes
-            .get(&args.agent)
-            .is_some_and(|d| d.args == args)
-        {
+        let now = self.clock.now();
+        if let Some(d) = self.decodes.get_mut(&args.agent).filter(|d| d.args == args) {
             // The same decode registering again (once per bootstrap): keep the loaded peer,
             // whose connection transfers in flight are using.
+            d.used = now;
             return Ok(());
         }
         let peer = self
             .transport
             .load_peer(&args.agent_metadata)
             .map_err(|e| e.to_string())?;
-        self.decodes.insert(
-            args.agent.clone(),
+        let agent = args.agent.clone();
+        let old = self.decodes.insert(
+            agent.clone(),
             Decode {
                 peer,
                 args,
                 spec,
                 mapping,
+                used: now,
             },
         );
+        if let Some(old) = old.filter(|o| o.peer != peer) {
+            // Rooms in flight may still use the old connection.
+            self.retired.push((agent, old.peer));
+        }
         Ok(())
+    }
+
+    /// Forgets the decodes no room needs whose connection failed, or that re-register on
+    /// demand and were idle past `idle_decode_timeout`, and closes retired connections no
+    /// room needs. Runs at the end of `poll`, after failed rooms told their decodes.
+    pub(super) fn forget_unneeded(&mut self, now: std::time::Duration) {
+        let idle = self.config.idle_decode_timeout;
+        let needed = |agent: &str| self.rooms.values().any(|r| r.needs(agent));
+        let candidates: Vec<(String, &'static str)> = self
+            .decodes
+            .iter()
+            .filter_map(|(agent, d)| {
+                if self.transport.peer_failed(d.peer) {
+                    Some((agent.clone(), "its connection failed"))
+                } else if d.args.reregisters && now.saturating_sub(d.used) >= idle {
+                    Some((agent.clone(), "idle"))
+                } else {
+                    None
+                }
+            })
+            .filter(|(agent, _)| !needed(agent))
+            .collect();
+        let closing: Vec<PeerId> = {
+            let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
+                .into_iter()
+                .partition(|(agent, _)| !needed(agent));
+            self.retired = kept;
+            done.into_iter().map(|(_, peer)| peer).collect()
+        };
+        for peer in closing {
+            let _ = self.transport.remove_peer(peer);
+        }
+        if candidates.is_empty() {
+            return;
+        }
+        let mut known = lock(&self.known);
+        // A message queued meanwhile may be a room of one of them: forget nobody until it
+        // was handled (the next poll).
+        if !self.inbox.is_empty() {
+            return;
+        }
+        for (agent, why) in candidates {
+            known.remove(&agent);
+            if let Some(d) = self.decodes.remove(&agent) {
+                let _ = self.transport.remove_peer(d.peer);
+            }
+            self.metrics.forgotten_decodes.tally(1);
+            tracing::info!(decode = %agent, reason = why, "forgot a decode no room needs: its next room registers it again");
+        }
     }
 
     /// Checks every index a decode sent against what that decode registered.

@@ -5,8 +5,8 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, unbounded};
@@ -47,6 +47,17 @@ pub struct PushPrefillConfig {
     pub bootstrap_timeout: Duration,
     /// Bound on each side-channel request.
     pub request_timeout: Duration,
+    /// A decode that re-registers on demand (kvxfer's since the `reregisters` flag) and that
+    /// no room named for this long is forgotten: its connection closed, its next room
+    /// answered [`FromPrefill::Unregistered`]. A decode whose connection failed is
+    /// forgotten at once.
+    pub idle_decode_timeout: Duration,
+}
+
+impl PushPrefillConfig {
+    /// The default idle time after which a decode is forgotten (10 minutes, as the pull
+    /// decode's `idle_engine_timeout`).
+    pub const IDLE_DECODE_TIMEOUT: Duration = Duration::from_secs(600);
 }
 
 struct Decode {
@@ -54,6 +65,19 @@ struct Decode {
     args: RegisterArgs,
     spec: CacheSpec,
     mapping: TpMapping,
+    /// When it last registered or named a room.
+    used: Duration,
+}
+
+/// The decode agents the mailbox accepts rooms from, shared with its handler. The handler
+/// queues a message while holding the lock, and a decode is forgotten only under it with
+/// the inbox empty, so no room of a forgotten decode can be queued unanswered.
+type Known = Arc<Mutex<HashSet<String>>>;
+
+fn lock(known: &Known) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    known
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Errors of the engine-facing calls.
@@ -98,7 +122,11 @@ pub struct PushPrefill<T: Transport> {
     mailbox: MessageServer,
     info: RankInfo,
     inbox: Receiver<ToPrefill>,
+    known: Known,
     decodes: HashMap<String, Decode>,
+    /// Connections of decodes that registered again with other metadata (a restart under
+    /// the same name), closed once no room needs that agent.
+    retired: Vec<(String, PeerId)>,
     rooms: HashMap<u64, PrefillRoom>,
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
@@ -129,8 +157,12 @@ pub struct PushMetrics {
     pub digested_pages: u64,
     /// Rooms that failed.
     pub failed_rooms: u64,
-    /// Registrations received from decodes (each registers once per prefill instance).
+    /// Registrations received from decodes (each registers once per prefill instance, and
+    /// again after it was forgotten).
     pub registrations: u64,
+    /// Decodes forgotten: their connection failed, or they were idle past
+    /// `idle_decode_timeout`.
+    pub forgotten_decodes: u64,
     /// What the transport library measured itself (NIXL telemetry) of completed WRITEs.
     pub backend: crate::pull::BackendTelemetry,
 }
@@ -148,6 +180,8 @@ impl<T: Transport> PushPrefill<T> {
             .map_err(|e| PushError::Setup(e.to_string()))?;
         let (tx, inbox) = unbounded();
         let me = Destination::mailbox(transport.name());
+        let known: Known = Arc::default();
+        let shared = Arc::clone(&known);
         let mailbox = MessageServer::bind(
             &config.host,
             config.port,
@@ -156,12 +190,26 @@ impl<T: Transport> PushPrefill<T> {
             Box::new(move |bytes| {
                 let reply = match messages::decode::<ToPrefill>(bytes, "push control message") {
                     Ok(ToPrefill::Health) => FromPrefill::Ok,
-                    Ok(msg) => match tx.send(msg) {
-                        Ok(()) => FromPrefill::Ok,
-                        Err(_) => FromPrefill::Error {
-                            reason: "prefill rank is shutting down".into(),
-                        },
-                    },
+                    Ok(msg) => {
+                        let mut known = lock(&shared);
+                        match &msg {
+                            // Known from now on; `poll` takes it back if the registration
+                            // is refused.
+                            ToPrefill::Register(a) => {
+                                known.insert(a.agent.clone());
+                            }
+                            ToPrefill::Room(r) if !known.contains(&r.agent) => {
+                                return messages::encode(&FromPrefill::Unregistered);
+                            }
+                            _ => {}
+                        }
+                        match tx.send(msg) {
+                            Ok(()) => FromPrefill::Ok,
+                            Err(_) => FromPrefill::Error {
+                                reason: "prefill rank is shutting down".into(),
+                            },
+                        }
+                    }
                     Err(e) => FromPrefill::Error {
                         reason: e.to_string(),
                     },
@@ -209,7 +257,9 @@ impl<T: Transport> PushPrefill<T> {
             mailbox,
             info,
             inbox,
+            known,
             decodes: HashMap::new(),
+            retired: Vec::new(),
             rooms: HashMap::new(),
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
@@ -416,15 +466,22 @@ impl<T: Transport> PushPrefill<T> {
         }
         // Rooms only decodes knew, ended long ago (and their decodes told, above).
         self.rooms.retain(|_, r| !r.abandoned(now, timeout));
+        self.forget_unneeded(now);
     }
 
     fn on_message(&mut self, msg: ToPrefill) {
         match msg {
             ToPrefill::Register(args) => {
                 self.metrics.registrations.tally(1);
+                let agent = args.agent.clone();
                 if let Err(e) = self.register_decode(args) {
                     self.refused.tally(1);
                     tracing::warn!(error = %e, "refused a decode registration");
+                    if !self.decodes.contains_key(&agent) {
+                        // Its rooms are answered `Unregistered` (not queued to wait out
+                        // their timeout); one that registers again is refused again.
+                        lock(&self.known).remove(&agent);
+                    }
                 }
             }
             ToPrefill::Room(req) => self.on_room(req),
@@ -444,8 +501,12 @@ impl<T: Transport> PushPrefill<T> {
 
     fn on_room(&mut self, req: RoomRequest) {
         let now = self.clock.now();
-        let Some(d) = self.decodes.get(&req.agent) else {
+        let Some(d) = self.decodes.get_mut(&req.agent) else {
             self.refused.tally(1);
+            return;
+        };
+        d.used = now;
+        let Some(d) = self.decodes.get(&req.agent) else {
             return;
         };
         let problem = self.validate(d, &req);
