@@ -11,6 +11,8 @@ use kvxfer_core::clock::Clock;
 use kvxfer_core::pull::{Finished, KvCache, PullConfig, PullScheduler, PullWorker, StepMeta};
 use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_core::{MemoryKind, Transport};
+
+use crate::shared_mem::SharedMem;
 use kvxfer_layout::{
     BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype, HeadSharding, Part, Side, TpMapping,
 };
@@ -34,6 +36,9 @@ pub struct Model {
     pub blocks: u32,
     /// Element type.
     pub dtype: Dtype,
+    /// Caches in kvxfer shared memory (a memfd), which a same-host UCX peer maps and copies
+    /// through; private memory otherwise.
+    pub shared: bool,
 }
 
 impl Model {
@@ -48,6 +53,7 @@ impl Model {
             tokens: 4,
             blocks: 16,
             dtype: Dtype::F16,
+            shared: false,
         }
     }
 
@@ -62,6 +68,7 @@ impl Model {
             tokens: 4,
             blocks: 16,
             dtype: Dtype::F16,
+            shared: false,
         }
     }
 
@@ -77,6 +84,7 @@ impl Model {
             tokens: 1,
             blocks: 16,
             dtype: Dtype::U8,
+            shared: false,
         }
     }
 
@@ -152,12 +160,40 @@ pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e
 /// Guard value of untouched decode bytes.
 pub const GUARD: u8 = 0xEE;
 
+/// A cache's bytes: private memory, or kvxfer shared memory a same-host peer maps.
+pub enum CacheMem {
+    /// Private memory.
+    Private(Vec<u8>),
+    /// A memfd mapping.
+    Shared(SharedMem),
+}
+
+impl std::ops::Deref for CacheMem {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            CacheMem::Private(v) => v,
+            CacheMem::Shared(m) => m.as_slice(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for CacheMem {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            CacheMem::Private(v) => v,
+            CacheMem::Shared(m) => m.as_mut_slice(),
+        }
+    }
+}
+
 /// One rank's cache memory (regions back to back in one allocation).
 pub struct RankCache {
     /// The spec.
     pub spec: CacheSpec,
     /// The memory.
-    pub mem: Vec<u8>,
+    pub mem: CacheMem,
     /// First global head held.
     pub first_head: u32,
     /// Global index of the first layer held (pipeline stages).
@@ -179,7 +215,25 @@ impl RankCache {
         first_layer: u32,
         fill_identity: bool,
     ) -> Self {
-        let mut mem = vec![GUARD; spec.total_bytes() as usize];
+        Self::in_memory(spec, first_head, first_layer, fill_identity, false)
+    }
+
+    /// Like [`RankCache::with_layers`], in kvxfer shared memory when `shared`.
+    pub fn in_memory(
+        spec: CacheSpec,
+        first_head: u32,
+        first_layer: u32,
+        fill_identity: bool,
+        shared: bool,
+    ) -> Self {
+        let len = spec.total_bytes() as usize;
+        let mut mem = if shared {
+            let mut m = SharedMem::new(len);
+            m.as_mut_slice().fill(GUARD);
+            CacheMem::Shared(m)
+        } else {
+            CacheMem::Private(vec![GUARD; len])
+        };
         let addr = mem.as_mut_ptr() as u64;
         let mut c = RankCache {
             mem,
@@ -419,7 +473,8 @@ fn build<T: Transport>(
         let caches: Vec<RankCache> = (0..tp)
             .map(|r| {
                 let heads = mapping.heads_of(Side::Prefill, r).expect("rank");
-                RankCache::new(model.spec(heads.count), heads.first, prefill)
+                let spec = model.spec(heads.count);
+                RankCache::in_memory(spec, heads.first, 0, prefill, model.shared)
             })
             .collect();
         let mut workers = Vec::new();

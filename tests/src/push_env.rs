@@ -222,11 +222,12 @@ pub fn prefill_on<F: TransportFactory>(
         for tp in 0..s.p {
             let heads = mapping.heads_of(Side::Prefill, tp).expect("rank");
             mem.push(RankMem {
-                kv: RankCache::with_layers(
+                kv: RankCache::in_memory(
                     s.model.stage_spec(heads.count, stage.count),
                     heads.first,
                     stage.first,
                     true,
+                    s.model.shared,
                 ),
                 aux: Items::new(s.aux, true),
                 state: Items::new(s.state, true),
@@ -278,7 +279,13 @@ pub fn decode_on<F: TransportFactory>(
         .map(|tp| {
             let heads = mapping.heads_of(Side::Decode, tp).expect("rank");
             RankMem {
-                kv: RankCache::new(s.model.spec(heads.count), heads.first, false),
+                kv: RankCache::in_memory(
+                    s.model.spec(heads.count),
+                    heads.first,
+                    0,
+                    false,
+                    s.model.shared,
+                ),
                 aux: Items::new(s.aux, false),
                 state: Items::new(s.state, false),
             }

@@ -148,6 +148,11 @@ impl UcxTransport {
         self.lock().map_refusals
     }
 
+    /// Peers loaded now (each holds an endpoint and its remote keys).
+    pub fn peer_count(&self) -> usize {
+        self.lock().peers.len()
+    }
+
     /// Memfds of same-host peers mapped here now.
     pub fn shared_memory_mappings(&self) -> usize {
         self.lock().peers.values().map(|p| p.maps.files.len()).sum()

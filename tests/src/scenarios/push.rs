@@ -627,7 +627,7 @@ pub fn an_aborted_room_drains_only_after_its_writes_stopped<F: TransportFactory>
         0,
         "acknowledged before release"
     );
-    let at_release = dec.mem[0].kv.mem.clone();
+    let at_release = dec.mem[0].kv.mem.to_vec();
     faults.hold_completions(false);
     for _ in 0..50 {
         pre.ranks[0].poll();
@@ -635,7 +635,7 @@ pub fn an_aborted_room_drains_only_after_its_writes_stopped<F: TransportFactory>
         std::thread::sleep(Duration::from_micros(200));
     }
     assert!(
-        dec.mem[0].kv.mem == at_release,
+        *dec.mem[0].kv.mem == *at_release,
         "a byte landed after the room drained"
     );
     dec.mem[0]
