@@ -188,3 +188,88 @@ fn only_a_decode_that_registers_again_is_forgotten_when_idle() {
     assert_eq!(ask(&pre, &room("fg4-new")), FromPrefill::Unregistered);
     assert_eq!(ask(&pre, &room("fg4-old")), FromPrefill::Ok);
 }
+
+/// A prefill rank that answers a room `Unregistered` again after the decode registered once
+/// more (it keeps refusing the registration) fails the room at once, naming the rank,
+/// after exactly one more registration.
+#[test]
+fn a_room_still_unregistered_after_registering_again_fails_naming_the_rank() {
+    use kvxfer_core::push::messages::{FromRegistry, RankInfo, ToRegistry};
+    use kvxfer_core::sidechannel::MessageServer;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let counts = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+    let seen = Arc::clone(&counts);
+    let mailbox = MessageServer::bind(
+        "127.0.0.1",
+        0,
+        1 << 20,
+        |_| Destination::mailbox("fg6-p0-0"),
+        Box::new(
+            move |bytes: &[u8]| match messages::decode::<ToPrefill>(bytes, "request") {
+                Ok(ToPrefill::Register(_)) => {
+                    seen.0.fetch_add(1, Ordering::SeqCst);
+                    encode(&FromPrefill::Ok)
+                }
+                Ok(ToPrefill::Room(_)) => {
+                    seen.1.fetch_add(1, Ordering::SeqCst);
+                    encode(&FromPrefill::Unregistered)
+                }
+                _ => encode(&FromPrefill::Ok),
+            },
+        ),
+    )
+    .expect("mailbox");
+    let rank = RankInfo {
+        agent: "fg6-p0-0".into(),
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        dp_size: 1,
+        dp_rank: 0,
+        host: "127.0.0.1".into(),
+        port: mailbox.port(),
+        page_size: 4,
+        dtype: "f16".into(),
+        first_layer: 0,
+        num_layers: 2,
+    };
+    let registry = MessageServer::bind(
+        "127.0.0.1",
+        0,
+        1 << 20,
+        Destination::registry,
+        Box::new(
+            move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
+                Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
+                    instance: 1,
+                    ranks: vec![rank.clone()],
+                }),
+                _ => encode(&FromPrefill::Ok),
+            },
+        ),
+    )
+    .expect("registry");
+    let (_m, c) = manual();
+    let mut dec = decode(&setup(), "fg6", c);
+    dec.ranks[0].add_room(1, ("127.0.0.1", registry.port()), vec![5], None, vec![]);
+    let start = Instant::now();
+    while !dec.ranks[0].status(1).is_some_and(RoomStatus::is_final) {
+        dec.ranks[0].poll();
+        assert!(start.elapsed() < Duration::from_secs(60), "never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let error = dec.ranks[0].error(1).unwrap_or_default();
+    assert!(
+        error.contains("prefill rank 0 does not know this decode although it registered"),
+        "{error}"
+    );
+    assert_eq!(
+        (
+            counts.0.load(Ordering::SeqCst),
+            counts.1.load(Ordering::SeqCst)
+        ),
+        (2, 2),
+        "registered, asked, registered again, asked again"
+    );
+}

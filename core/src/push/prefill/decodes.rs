@@ -9,7 +9,7 @@ use super::{Decode, PushPrefill, lock};
 use crate::push::buffers::StateKind;
 use crate::push::messages::{self, RegisterArgs, RoomRequest};
 use crate::tally::Tally;
-use crate::transport::{MemoryKind, PeerId, Transport};
+use crate::transport::{MemoryKind, Transport};
 
 impl<T: Transport> PushPrefill<T> {
     pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
@@ -68,9 +68,10 @@ impl<T: Transport> PushPrefill<T> {
             .transport
             .load_peer(&args.agent_metadata)
             .map_err(|e| e.to_string())?;
-        let agent = args.agent.clone();
-        let old = self.decodes.insert(
-            agent.clone(),
+        // A decode known under this name with other metadata (restarted) was replaced by
+        // the transport's `load_peer`, its connection with it.
+        self.decodes.insert(
+            args.agent.clone(),
             Decode {
                 peer,
                 args,
@@ -79,16 +80,12 @@ impl<T: Transport> PushPrefill<T> {
                 used: now,
             },
         );
-        if let Some(old) = old.filter(|o| o.peer != peer) {
-            // Rooms in flight may still use the old connection.
-            self.retired.push((agent, old.peer));
-        }
         Ok(())
     }
 
     /// Forgets the decodes no room needs whose connection failed, or that re-register on
-    /// demand and were idle past `idle_decode_timeout`, and closes retired connections no
-    /// room needs. Runs at the end of `poll`, after failed rooms told their decodes.
+    /// demand and were idle past `idle_decode_timeout`. Runs at the end of `poll`, after
+    /// failed rooms told their decodes.
     pub(super) fn forget_unneeded(&mut self, now: std::time::Duration) {
         let idle = self.config.idle_decode_timeout;
         let needed = |agent: &str| self.rooms.values().any(|r| r.needs(agent));
@@ -106,16 +103,6 @@ impl<T: Transport> PushPrefill<T> {
             })
             .filter(|(agent, _)| !needed(agent))
             .collect();
-        let closing: Vec<PeerId> = {
-            let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
-                .into_iter()
-                .partition(|(agent, _)| !needed(agent));
-            self.retired = kept;
-            done.into_iter().map(|(_, peer)| peer).collect()
-        };
-        for peer in closing {
-            let _ = self.transport.remove_peer(peer);
-        }
         if candidates.is_empty() {
             return;
         }

@@ -124,9 +124,6 @@ pub struct PushPrefill<T: Transport> {
     inbox: Receiver<ToPrefill>,
     known: Known,
     decodes: HashMap<String, Decode>,
-    /// Connections of decodes that registered again with other metadata (a restart under
-    /// the same name), closed once no room needs that agent.
-    retired: Vec<(String, PeerId)>,
     rooms: HashMap<u64, PrefillRoom>,
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
@@ -259,7 +256,6 @@ impl<T: Transport> PushPrefill<T> {
             inbox,
             known,
             decodes: HashMap::new(),
-            retired: Vec::new(),
             rooms: HashMap::new(),
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
