@@ -1,9 +1,9 @@
-"""A real SGLang prefill and decode with 16-token pages (``--page-size 16``, as several
-attention backends require) and the kvxfer backend over UCX, behind SGLang's router: prompts
+"""A real SGLang prefill and decode with 16- and then 64-token pages (``--page-size``, as
+several attention backends require) and the kvxfer backend over UCX, behind SGLang's router: prompts
 whose last page is partly filled, alone and concurrently, give the plain run's tokens and
 logprobs; the decode checks every room's content digests (the bytes in its own KV pages
 against what the prefill wrote), and the negative control shows it uses the prefill's KV.
-One engine configuration, several cases."""
+One engine configuration per page size, several cases against it."""
 
 import random
 from collections.abc import Iterator
@@ -27,22 +27,23 @@ from harness import (
     wait_healthy,
 )
 
-PAGE = 16
 LOGPROB_TOLERANCE = 1e-4
 
 
 @dataclass
 class Paged:
+    page: int
     prefill: Server
     decode: Server
     router: Router
 
 
-@pytest.fixture(scope="module")
-def paged(logdir: Path, reference: dict) -> Iterator[Paged]:
+@pytest.fixture(scope="module", params=[16, 64])
+def paged(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iterator[Paged]:
     _usable_or_skip("ucx")
+    page = request.param
     boot = free_port()
-    args = ("--page-size", str(PAGE))  # after the common `--page-size 1`: it wins
+    args = ("--page-size", str(page))  # after the common `--page-size 1`: it wins
     prefill = Server(
         "prefill",
         "0",
@@ -50,7 +51,7 @@ def paged(logdir: Path, reference: dict) -> Iterator[Paged]:
         transport="ucx",
         bootstrap_port=boot,
         args=args,
-        name="prefill-paged",
+        name=f"prefill-paged{page}",
     )
     decode = Server(
         "decode",
@@ -60,15 +61,15 @@ def paged(logdir: Path, reference: dict) -> Iterator[Paged]:
         bootstrap_port=boot,
         env={**HEARTBEAT, "KVXFER_DIGEST": "1"},
         args=args,
-        name="decode-paged",
+        name=f"decode-paged{page}",
     )
     servers: list[Server | Router] = [prefill, decode]
     try:
         wait_healthy(servers, STARTUP)
-        router = Router(prefill, decode, logdir, "router-paged")
+        router = Router(prefill, decode, logdir, f"router-paged{page}")
         servers.append(router)
         wait_healthy([router], 120)
-        yield Paged(prefill, decode, router)
+        yield Paged(page, prefill, decode, router)
     finally:
         for s in reversed(servers):
             s.close()
@@ -83,8 +84,8 @@ def assert_matches(reply: dict, ref: dict) -> None:
 def test_prompts_ending_in_a_partly_filled_page_equal_a_plain_run(
     paged: Paged, reference: dict
 ) -> None:
-    assert any(len(p) % PAGE for p in PROMPTS), "a prompt whose last page is partly filled"
-    assert any(len(p) % PAGE == 0 for p in PROMPTS), "and one that fills its pages"
+    assert any(len(p) % paged.page for p in PROMPTS), "a prompt whose last page is partly filled"
+    assert any(len(p) % paged.page == 0 for p in PROMPTS), "and one that fills its pages"
     for ids in (PROMPT_A, PROMPT_B):
         r = post(paged.router.url, body(ids))
         assert r.status_code == 200, r.text
