@@ -69,6 +69,7 @@ fuzz_target!(|data: &[u8]| {
                         aux_index: None,
                         state_indices: Vec::new(),
                         digest: arg & 0x40 != 0,
+                        prefix_tokens: 0,
                     },
                     problem.clone(),
                     required,

@@ -293,6 +293,13 @@ impl PushPrefill {
             .with(py, "prefill", |p| Ok(p.destinations_ready(room)))
     }
 
+    /// The prompt tokens `room`'s decode holds already (its radix cache), once a destination
+    /// asked: send only the pages after them. `None` for an unknown room or one not asked for.
+    fn decode_prefix(&self, py: Python<'_>, room: u64) -> PyResult<Option<u64>> {
+        self.inner
+            .with(py, "prefill", |p| Ok(p.decode_prefix(room)))
+    }
+
     /// Sends the room's next chunk from this rank's `pages`; the chunk that completes the room
     /// also carries aux and state (`state_indices` replaces those given to `add_room`).
     /// Raises `InvalidArgumentError` when the room is unknown, not ready or has fewer pages
@@ -466,8 +473,13 @@ impl PushDecode {
 
     /// Starts receiving `room` from the prefill whose registry is at `registry`: this rank's
     /// destination `pages` (empty for a rank that only completes its status), `aux_index` and
-    /// `state_indices`. Never blocks: the control thread talks to the prefill.
-    #[pyo3(signature = (room, registry, pages, aux_index = None, state_indices = Vec::new()))]
+    /// `state_indices`. A decode that holds the prompt's first `prefix_tokens` tokens
+    /// already (its radix cache) gives the pages of the tokens after them; the prefill sends
+    /// only those. Never blocks: the control thread talks to the prefill.
+    #[pyo3(signature = (
+        room, registry, pages, aux_index = None, state_indices = Vec::new(), prefix_tokens = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn add_room(
         &self,
         py: Python<'_>,
@@ -476,14 +488,16 @@ impl PushDecode {
         pages: Vec<u32>,
         aux_index: Option<u32>,
         state_indices: Vec<u32>,
+        prefix_tokens: u64,
     ) -> PyResult<()> {
         self.inner.with(py, "decode", |d| {
-            d.add_room(
+            d.add_room_after_prefix(
                 room,
                 (&registry.0, registry.1),
                 pages,
                 aux_index,
                 state_indices,
+                prefix_tokens,
             );
             Ok(())
         })

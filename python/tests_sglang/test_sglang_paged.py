@@ -1,9 +1,11 @@
 """A real SGLang prefill and decode with 16- and then 64-token pages (``--page-size``, as
-several attention backends require) and the kvxfer backend over UCX, behind SGLang's router: prompts
+several attention backends require) and the kvxfer backend over UCX, behind SGLang's router,
+the decode keeping its radix cache (``--disaggregation-decode-enable-radix-cache``): prompts
 whose last page is partly filled, alone and concurrently, give the plain run's tokens and
-logprobs; the decode checks every room's content digests (the bytes in its own KV pages
-against what the prefill wrote), and the negative control shows it uses the prefill's KV.
-One engine configuration per page size, several cases against it."""
+logprobs; a prompt the decode holds the first pages of is written only past them; the decode
+checks every room's content digests (the bytes in its own KV pages against what the prefill
+wrote), and the negative control (first, while the decode's cache is empty) shows it uses
+the prefill's KV. One engine configuration per page size, several cases against it."""
 
 import random
 from collections.abc import Iterator
@@ -60,7 +62,7 @@ def paged(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iter
         transport="ucx",
         bootstrap_port=boot,
         env={**HEARTBEAT, "KVXFER_DIGEST": "1"},
-        args=args,
+        args=(*args, "--disaggregation-decode-enable-radix-cache"),
         name=f"decode-paged{page}",
     )
     servers: list[Server | Router] = [prefill, decode]
@@ -81,6 +83,20 @@ def assert_matches(reply: dict, ref: dict) -> None:
     assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
 
 
+def test_the_decode_continues_from_the_pages_the_prefill_wrote(
+    paged: Paged, reference: dict
+) -> None:
+    """Negative control: the prefill computes prompt A, the decode is given another prompt of
+    A's length under the same room; it never computes its prompt, so it continues A. (The
+    decode's radix cache then holds A's KV under that prompt's tokens, as it would after any
+    such request: no other test sends that prompt.)"""
+    other = [(i * 29 + 17) % 1000 for i in range(len(PROMPT_A))]
+    assert all(other[:8] != p[:8] for p in PROMPTS)
+    p, d = direct(paged.prefill, paged.decode, PROMPT_A, other, random.getrandbits(63))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert d.json()["output_ids"] == reference[tuple(PROMPT_A)]["output_ids"]
+
+
 def test_prompts_ending_in_a_partly_filled_page_equal_a_plain_run(
     paged: Paged, reference: dict
 ) -> None:
@@ -97,12 +113,17 @@ def test_prompts_ending_in_a_partly_filled_page_equal_a_plain_run(
         assert_matches(r.json(), reference[tuple(ids)])
 
 
-def test_the_decode_continues_from_the_pages_the_prefill_wrote(
+def test_a_prompt_the_decode_holds_the_first_pages_of_is_written_only_past_them(
     paged: Paged, reference: dict
 ) -> None:
-    """Negative control: the prefill computes prompt A, the decode is given prompt B under the
-    same room; it never computes its prompt, so it continues A."""
-    p, d = direct(paged.prefill, paged.decode, PROMPT_A, PROMPT_B, random.getrandbits(63))
-    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
-    assert d.json()["output_ids"] == reference[tuple(PROMPT_A)]["output_ids"]
-    assert reference[tuple(PROMPT_A)]["output_ids"] != reference[tuple(PROMPT_B)]["output_ids"]
+    """The decode's radix cache holds prompt A's full pages (A ran before): it names them as
+    its prefix (SGLang's ``decode_prefix_len``), gives pages for the rest only, and the
+    prefill, told the prefix by kvxfer, sends only those (otherwise the page counts differ
+    and the room fails); the tokens are the plain run's."""
+    post(paged.router.url, body(PROMPT_A))
+    r = post(paged.router.url, body(PROMPT_A))
+    assert r.status_code == 200, r.text
+    assert_matches(r.json(), reference[tuple(PROMPT_A)])
+    held = len(PROMPT_A) // paged.page * paged.page
+    assert held > 0
+    assert r.json()["meta_info"]["cached_tokens"] == held, r.json()["meta_info"]

@@ -65,6 +65,7 @@ fn room() -> ToPrefill {
         aux_index: Some(1),
         state_indices: vec![4],
         digest: true,
+        prefix_tokens: 0,
     })
 }
 

@@ -183,6 +183,7 @@ fn only_a_decode_that_registers_again_is_forgotten_when_idle() {
             aux_index: None,
             state_indices: vec![],
             digest: false,
+            prefix_tokens: 0,
         })
     };
     assert_eq!(ask(&pre, &room("fg4-new")), FromPrefill::Unregistered);

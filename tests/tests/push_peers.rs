@@ -227,6 +227,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
         aux_index: Some(0),
         state_indices: vec![],
         digest: false,
+        prefix_tokens: 0,
     };
     let reply = request_bytes(
         &mailbox.host,
@@ -460,6 +461,7 @@ fn room_of(agent: &str, room: u64, pages: Vec<u32>, state_indices: Vec<u32>) -> 
         aux_index: None,
         state_indices,
         digest: false,
+        prefix_tokens: 0,
     }
 }
 
@@ -917,4 +919,36 @@ fn rooms_the_engine_never_added_are_forgotten_after_twice_the_bootstrap_timeout(
         Some(RoomStatus::Failed),
         "the engine's own room"
     );
+}
+
+/// A decode that holds the prompt's first tokens (its radix cache) names them with its
+/// room; the prefill learns the prefix before it sizes the room, and sends only the pages
+/// after it.
+#[test]
+fn the_decodes_prefix_reaches_the_prefill_before_it_sizes_the_room() {
+    let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    let c = clock();
+    let mut pre = prefill(&s, "pn20", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn20", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room_after_prefix(1, ("127.0.0.1", port), vec![5, 6], None, vec![], 8);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].requested_rooms() == [1]
+    });
+    assert_eq!(pre.ranks[0].decode_prefix(1), Some(8));
+    assert_eq!(
+        pre.ranks[0].decode_prefix(2),
+        None,
+        "a room nobody asked for"
+    );
+    pre.ranks[0].add_room(1, 2, None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    pre.ranks[0].send(1, &[1, 2]).expect("send");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    dec.mem[0].kv.verify(&[(1, 5), (2, 6)]).expect("bytes");
 }

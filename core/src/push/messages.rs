@@ -90,6 +90,16 @@ pub struct RoomRequest {
     /// decode then fails the room for the missing fold).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub digest: bool,
+    /// Tokens of the prompt the decode holds already (its radix cache): `pages` are for the
+    /// tokens after them, and the prefill engine sends only those (SGLang's
+    /// `decode_prefix_len`). Left out when 0; an older prefill ignores it, and the page
+    /// counts then differ (the room fails naming both).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prefix_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Decode → prefill rank.
@@ -547,6 +557,7 @@ mod tests {
             aux_index: Some(0),
             state_indices: vec![],
             digest: false,
+            prefix_tokens: 0,
         });
         assert_eq!(decode::<ToPrefill>(&encode(&m), "msg").unwrap(), m);
         // Without digests, the bytes an older prefill reads; with them, an extra field.

@@ -110,6 +110,12 @@ impl PrefillRoom {
         self.status != RoomStatus::Failed && self.required.is_some_and(|n| self.dests.len() >= n)
     }
 
+    /// The prompt tokens the decode holds already (the same for every destination, or the
+    /// room failed), once a destination asked; the engine sends only the tokens after them.
+    pub fn decode_prefix(&self) -> Option<u64> {
+        self.dests.values().next().map(|d| d.prefix_tokens)
+    }
+
     /// The agents of the decode destinations.
     pub fn dest_agents(&self) -> impl Iterator<Item = &str> {
         self.dests.keys().map(String::as_str)
@@ -176,7 +182,20 @@ impl PrefillRoom {
         if self.status.is_final() {
             return;
         }
-        let problem = problem.or_else(|| self.total.and_then(|t| validate_len(&req, t)));
+        let problem = problem
+            .or_else(|| self.total.and_then(|t| validate_len(&req, t)))
+            .or_else(|| {
+                // Every destination names the same prefix: the engine sends one suffix.
+                self.dests
+                    .values()
+                    .find(|d| d.prefix_tokens != req.prefix_tokens)
+                    .map(|d| {
+                        format!(
+                            "decode {} holds {} tokens of the prompt, decode {} {}",
+                            d.agent, d.prefix_tokens, req.agent, req.prefix_tokens
+                        )
+                    })
+            });
         self.dests.insert(req.agent.clone(), req);
         self.required = Some(required);
         match problem {
@@ -346,6 +365,7 @@ mod tests {
             aux_index: None,
             state_indices: Vec::new(),
             digest: false,
+            prefix_tokens: 0,
         }
     }
 
@@ -415,6 +435,28 @@ mod tests {
         untold.add_dest(dest("late", 2), None, 1);
         assert!(untold.needs("a") && untold.needs("late"), "not told yet");
         assert!(!untold.needs("b"));
+    }
+
+    /// The decode's prefix is known once a destination asked; destinations that name
+    /// different prefixes fail the room.
+    #[test]
+    fn destinations_must_agree_on_the_decode_prefix() {
+        let mut r = ready(2, &[]);
+        assert_eq!(r.decode_prefix(), None);
+        let with = |agent: &str, prefix: u64| RoomRequest {
+            prefix_tokens: prefix,
+            ..dest(agent, 2)
+        };
+        r.add_dest(with("a", 16), None, 2);
+        assert_eq!(r.decode_prefix(), Some(16));
+        r.add_dest(with("b", 16), None, 2);
+        assert_eq!(r.status(), RoomStatus::WaitingForInput);
+        let mut split = ready(2, &[]);
+        split.add_dest(with("a", 16), None, 2);
+        split.add_dest(with("b", 32), None, 2);
+        assert_eq!(split.status(), RoomStatus::Failed);
+        let e = split.error().unwrap_or_default();
+        assert!(e.contains("holds 16 tokens") && e.contains("b 32"), "{e}");
     }
 
     /// A destination's fold goes on across chunks; each destination has its own.

@@ -437,6 +437,11 @@ class KvxferKVSender(_Room, BaseKVSender):
         )
         self.inited = True
 
+    def pop_decode_prefix_len(self) -> int:
+        """The prompt tokens the decode holds already (its radix cache), which SGLang then
+        skips: asked once the decode's destinations arrived (``WaitingForInput``)."""
+        return self.kv_mgr.push.decode_prefix(self.bootstrap_room) or 0
+
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # An empty last chunk still carries aux and state and completes the room.
         return num_pages > 0 or last_chunk
@@ -553,9 +558,6 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
         if self.registry is None:
             self._fail("send_metadata before init")
             return
-        if decode_prefix_len:
-            self._fail("kvxfer does not take a decode radix-cache prefix (decode_prefix_len)")
-            return
         if destination != KVTransferDestination.DEVICE:
             self._fail("kvxfer writes into the decode's device pool only")
             return
@@ -566,6 +568,8 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
                 flat_indices(kv_indices),
                 None if aux_index is None else int(aux_index),
                 _state_of(state_indices) or [],
+                # Tokens its radix cache holds: the pages are for those after them.
+                prefix_tokens=int(decode_prefix_len or 0),
             )
         except (kvxfer.KvxferError, OverflowError, TypeError, ValueError) as e:
             self._fail(str(e))

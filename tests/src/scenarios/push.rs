@@ -524,6 +524,7 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             aux_index: None,
             state_indices: vec![],
             digest: false,
+            prefix_tokens: 0,
         }),
     );
     // A room from an agent that never registered is answered: register first.

@@ -197,6 +197,24 @@ impl<T: Transport> PushDecode<T> {
         aux_index: Option<u32>,
         state_indices: Vec<u32>,
     ) {
+        self.add_room_after_prefix(room, addr, pages, aux_index, state_indices, 0);
+    }
+
+    /// Like [`PushDecode::add_room`] for a decode that holds the prompt's first
+    /// `prefix_tokens` tokens already (its radix cache): `pages` are for the tokens after
+    /// them, and the prefill engine learns the prefix ([`PushPrefill::decode_prefix`]) and
+    /// sends only those.
+    ///
+    /// [`PushPrefill::decode_prefix`]: crate::push::PushPrefill::decode_prefix
+    pub fn add_room_after_prefix(
+        &mut self,
+        room: u64,
+        addr: (&str, u16),
+        pages: Vec<u32>,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+        prefix_tokens: u64,
+    ) {
         let addr = (addr.0.to_string(), addr.1);
         let req = RoomRequest {
             room,
@@ -205,6 +223,7 @@ impl<T: Transport> PushDecode<T> {
             aux_index,
             state_indices: state_indices.clone(),
             digest: self.config.digest && !pages.is_empty(),
+            prefix_tokens,
         };
         let known = self
             .prefills

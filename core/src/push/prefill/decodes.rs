@@ -185,6 +185,7 @@ mod tests {
             aux_index: None,
             state_indices: Vec::new(),
             digest,
+            prefix_tokens: 0,
         };
         let refused = digest_refusal(&room(true, vec![1]), gpu).expect("refused");
         assert!(

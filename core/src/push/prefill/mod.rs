@@ -368,6 +368,13 @@ impl<T: Transport> PushPrefill<T> {
         self.rooms.get(&room).is_some_and(PrefillRoom::all_asked)
     }
 
+    /// The prompt tokens the room's decode holds already (its radix cache), once its
+    /// destinations asked: the engine sends only the pages after them (SGLang's
+    /// `pop_decode_prefix_len`). `None` for an unknown room or one no destination asked for.
+    pub fn decode_prefix(&self, room: u64) -> Option<u64> {
+        self.rooms.get(&room).and_then(PrefillRoom::decode_prefix)
+    }
+
     /// Why a room failed.
     pub fn error(&self, room: u64) -> Option<String> {
         self.rooms
