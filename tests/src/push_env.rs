@@ -395,3 +395,27 @@ pub fn run_room<T: Transport>(
         .map(|d| d.status(room).unwrap_or(RoomStatus::Failed))
         .collect()
 }
+
+/// A registry that lists `rank` as a ready prefill of one rank (instance 1) and accepts
+/// anything else: for tests that play the prefill's mailbox themselves.
+pub fn fake_registry(
+    rank: kvxfer_core::push::messages::RankInfo,
+) -> kvxfer_core::sidechannel::MessageServer {
+    use kvxfer_core::push::messages::{self, FromPrefill, FromRegistry, ToRegistry, encode};
+    kvxfer_core::sidechannel::MessageServer::bind(
+        "127.0.0.1",
+        0,
+        1 << 20,
+        kvxfer_core::sidechannel::auth::Destination::registry,
+        Box::new(
+            move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
+                Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
+                    instance: 1,
+                    ranks: vec![rank.clone()],
+                }),
+                _ => encode(&FromPrefill::Ok),
+            },
+        ),
+    )
+    .expect("registry")
+}

@@ -195,7 +195,7 @@ fn only_a_decode_that_registers_again_is_forgotten_when_idle() {
 /// after exactly one more registration.
 #[test]
 fn a_room_still_unregistered_after_registering_again_fails_naming_the_rank() {
-    use kvxfer_core::push::messages::{FromRegistry, RankInfo, ToRegistry};
+    use kvxfer_core::push::messages::RankInfo;
     use kvxfer_core::sidechannel::MessageServer;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let counts = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
@@ -235,22 +235,7 @@ fn a_room_still_unregistered_after_registering_again_fails_naming_the_rank() {
         first_layer: 0,
         num_layers: 2,
     };
-    let registry = MessageServer::bind(
-        "127.0.0.1",
-        0,
-        1 << 20,
-        Destination::registry,
-        Box::new(
-            move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
-                Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
-                    instance: 1,
-                    ranks: vec![rank.clone()],
-                }),
-                _ => encode(&FromPrefill::Ok),
-            },
-        ),
-    )
-    .expect("registry");
+    let registry = kvxfer_tests::push_env::fake_registry(rank);
     let (_m, c) = manual();
     let mut dec = decode(&setup(), "fg6", c);
     dec.ranks[0].add_room(1, ("127.0.0.1", registry.port()), vec![5], None, vec![]);

@@ -12,7 +12,7 @@ use kvxfer_core::push::messages::{
 };
 use kvxfer_core::push::{RoomStatus, StateKind};
 use kvxfer_core::sidechannel::auth::Destination;
-use kvxfer_core::sidechannel::{MessageServer, request_bytes};
+use kvxfer_core::sidechannel::request_bytes;
 use kvxfer_core::wire::handshake::LayoutWire;
 use kvxfer_layout::BlockOrder;
 use kvxfer_tests::pull_env::Model;
@@ -121,22 +121,7 @@ fn a_registry_layout_with_zero_stages_fails_the_room() {
         num_layers: 2,
     };
     // The liar is registry and mailbox at once: it accepts every registration and room.
-    let server = MessageServer::bind(
-        "127.0.0.1",
-        0,
-        1 << 20,
-        Destination::registry,
-        Box::new(
-            move |bytes: &[u8]| match messages::decode::<ToRegistry>(bytes, "request") {
-                Ok(ToRegistry::Query) => encode(&FromRegistry::Layout {
-                    instance: 1,
-                    ranks: vec![rank.clone()],
-                }),
-                _ => encode(&FromPrefill::Ok),
-            },
-        ),
-    )
-    .expect("server");
+    let server = kvxfer_tests::push_env::fake_registry(rank);
     let s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
     let mut dec = decode(&s, "pn3", clock());
     dec.ranks[0].add_room(1, ("127.0.0.1", server.port()), vec![5], Some(2), vec![]);
