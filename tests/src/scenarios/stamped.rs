@@ -272,7 +272,11 @@ pub fn a_reference_never_held_fails_at_the_transfer_timeout<F: TransportFactory>
     let model = Model::small(BlockOrder::Hnd, 4);
     let manual = ManualClock::default();
     let c: Arc<dyn Clock> = Arc::new(manual.clone());
-    let mut pre = engine("never-P", &model, 1, true, Arc::clone(&c), &mk(f), &no_tune);
+    // The real reference's lease outlasts the test. With the default 30 s, whether it stood
+    // at the end depended on the decode's heartbeats for the same request reaching the
+    // prefill in time (they travel asynchronously), and an expiry reads like a free.
+    let long = |cfg: &mut PullConfig| cfg.lease = Duration::from_secs(120);
+    let mut pre = engine("never-P", &model, 1, true, Arc::clone(&c), &mk(f), &long);
     let mut dec = engine("never-D", &model, 1, false, c, &mk(f), &no_tune);
     let mut forged = pre.finish_prefill("a", &[1, 2]);
     let stamp = forged.kvxfer_stamp.as_mut().expect("stamp");
