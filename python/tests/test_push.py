@@ -139,6 +139,34 @@ def test_out_of_range_pages_fail_the_room_on_both_sides_and_nothing_is_written(
         h.shutdown()
 
 
+def test_a_decode_whose_model_differs_fails_its_room_at_once_naming_the_difference(
+    transport: str,
+) -> None:
+    # Twice the prefill's model heads, two decode ranks of two heads each: consistent on its
+    # own, but no prefill rank could write what it expects.
+    registry, prefill, decode, src, dst = ranks(transport)
+    decode.shutdown()
+    decode = kvxfer.PushDecode(
+        f"pd-heads{next(_ids)}",
+        transport,
+        dst.layout(total_kv_heads=2 * HEADS),
+        tp_rank=0,
+        tp_size=2,
+        aux=dst.aux_list(),
+    )
+    start = time.monotonic()
+    decode.add_room(11, ("127.0.0.1", registry.port), [1, 2], aux_index=1)
+    until(lambda: decode.status(11) == 0, prefill, decode, timeout=10)
+    assert time.monotonic() - start < 5, "failed at once, not at a timeout"
+    error = decode.error(11) or ""
+    assert "refused" in error and f"total KV heads: local {HEADS}, remote {2 * HEADS}" in error
+    assert prefill.refused() == 1
+    assert prefill.status(11) is None, "the prefill never heard of the room"
+    assert all(not a.any() for a in dst.kv + dst.aux)
+    for h in (prefill, decode, registry):
+        h.shutdown()
+
+
 def test_the_state_indices_sent_with_the_last_chunk_are_used() -> None:
     src, dst = Rank(seed=3), Rank(seed=None)
     state_src, state_dst = pattern(4 * 32, 9), np.zeros(4 * 32, dtype=np.uint8)

@@ -159,8 +159,8 @@ fn mailbox(pre: &PrefillSide) -> RankInfo {
     ranks.into_iter().next().expect("rank 0")
 }
 
-/// A decode registering an aux buffer that ends past `u64::MAX` is refused at registration
-/// (counted), so no room of it can reach a WRITE.
+/// A decode registering an aux buffer that ends past `u64::MAX` is refused at registration,
+/// in the mailbox's reply (counted), so no room of it can reach a WRITE.
 #[test]
 fn a_registered_buffer_that_wraps_is_refused() {
     let (mut pre, dec) = waiting_room("pn4");
@@ -192,17 +192,13 @@ fn a_registered_buffer_that_wraps_is_refused() {
         1 << 20,
     )
     .expect("reply");
-    assert_eq!(
-        messages::decode::<FromPrefill>(&reply, "reply").ok(),
-        Some(FromPrefill::Ok),
-        "the mailbox queues what it received for the engine's poll"
-    );
-    let start = Instant::now();
-    while pre.ranks[0].refused() == before {
-        pre.ranks[0].poll();
-        assert!(start.elapsed() < Duration::from_secs(60), "never refused");
-        std::thread::sleep(Duration::from_millis(1));
+    match messages::decode::<FromPrefill>(&reply, "reply") {
+        Ok(FromPrefill::Error { reason }) => {
+            assert!(reason.contains("overflows the address space"), "{reason}");
+        }
+        other => panic!("refused in the reply, naming why: {other:?}"),
     }
+    assert_eq!(pre.ranks[0].refused(), before + 1);
     // The refused decode cannot open a room: the prefill does not know it, and says so at
     // once (the decode registers again, is refused again, and fails the room).
     let room = RoomRequest {
@@ -295,12 +291,13 @@ fn a_room_waits_for_every_pipeline_stage() {
 }
 
 /// Registers `args` with the waiting room's prefill rank 0 through its mailbox and waits
-/// until its engine poll has handled it; returns whether it was refused.
+/// until its engine poll has handled it; returns whether it was refused. A registration
+/// that does not pair is refused in the mailbox's reply, naming why, and counted.
 fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
     let mailbox = mailbox(pre);
     let refused = pre.ranks[0].refused();
     let _ = pre.ranks[0].take_metrics();
-    let _ = request_bytes(
+    let reply = request_bytes(
         &mailbox.host,
         mailbox.port,
         &Destination::mailbox(&mailbox.agent),
@@ -309,6 +306,15 @@ fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
         1 << 20,
     )
     .expect("reply");
+    match messages::decode::<FromPrefill>(&reply, "reply").expect("a reply") {
+        FromPrefill::Ok => {}
+        FromPrefill::Error { reason } => {
+            assert!(!reason.is_empty());
+            assert_eq!(pre.ranks[0].refused(), refused + 1, "counted");
+            return true;
+        }
+        other => panic!("{other:?}"),
+    }
     let start = Instant::now();
     let mut seen = 0;
     while seen == 0 {
@@ -321,7 +327,8 @@ fn register(pre: &mut PrefillSide, args: RegisterArgs) -> bool {
 }
 
 /// Each difference a decode's registration may not have from the prefill's layout is
-/// refused on its own: page size, dtype, aux or state buffer count, item length. Its regions
+/// refused on its own: page size, dtype, aux or state buffer count, item length, the
+/// model's KV heads or layers. Its regions
 /// lie far apart, so a larger page does not make them overlap (a refusal of its own).
 #[test]
 fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
@@ -348,12 +355,20 @@ fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
     aux_len.aux[0].item_len += 1;
     let mut state_count = base("pn7-state-count");
     state_count.state.push(item);
+    // Twice the model's heads, split over two decode ranks: each rank's own count fits.
+    let mut heads = base("pn7-heads");
+    heads.layout.total_kv_heads *= 2;
+    heads.tp_size = 2;
+    let mut layers = base("pn7-layers");
+    layers.layout.total_layers += 1;
     for (what, args) in [
         ("page size", page),
         ("dtype", dtype),
         ("aux count", aux_count),
         ("aux item length", aux_len),
         ("state count", state_count),
+        ("model's KV heads", heads),
+        ("model's layers", layers),
     ] {
         assert!(register(&mut pre, args), "{what} differs and was accepted");
     }

@@ -3,60 +3,95 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_layout::{CacheSide, TpMapping};
+use kvxfer_layout::{CacheSide, CacheSpec, SideLayout, TpMapping, check_compatible};
 
 use super::{Decode, PushPrefill, lock};
-use crate::push::buffers::StateKind;
+use crate::push::buffers::{PushBuffers, StateKind};
 use crate::push::messages::{self, RegisterArgs, RoomRequest};
 use crate::tally::Tally;
 use crate::transport::{MemoryKind, Transport};
 
-impl<T: Transport> PushPrefill<T> {
-    pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
-        let spec = args.layout.to_spec().map_err(|e| e.to_string())?;
-        let mine = &self.bufs.kv.spec;
-        if spec.tokens_per_block() != mine.tokens_per_block() || spec.dtype() != mine.dtype() {
-            return Err(format!(
-                "page size or dtype differ: decode {} tokens {}, prefill {} tokens {}",
-                spec.tokens_per_block(),
-                spec.dtype(),
-                mine.tokens_per_block(),
-                mine.dtype()
-            ));
-        }
-        CacheSide::new(&spec, &args.kv_bases, 0).map_err(|e| e.to_string())?;
-        if args.aux.len() != self.bufs.aux.len()
-            || args
-                .aux
-                .iter()
-                .zip(&self.bufs.aux)
-                .any(|(a, b)| a.item_len != b.item_len)
-        {
-            return Err("aux buffers differ in count or item length".into());
-        }
-        if args.state.len() != self.bufs.state.len()
-            || args
-                .state
-                .iter()
-                .zip(&self.bufs.state)
-                .any(|(a, b)| a.item_len != b.item_len)
-        {
-            return Err("state buffers differ in count or item length".into());
-        }
-        // Item addresses are computed from these numbers for every WRITE: none may wrap.
-        if let Some(b) = args
+/// Checks a decode's registration against this rank's buffers (`bufs`, of a prefill of
+/// `tp_size` ranks) without touching either: the cache it names must pair with ours, its
+/// regions and buffers be addressable. Returns its cache and the TP mapping to it. Pure, so
+/// that the mailbox refuses a registration in its reply, before the decode sends a room.
+pub(super) fn check_registration(
+    bufs: &PushBuffers,
+    tp_size: u32,
+    args: &RegisterArgs,
+) -> Result<(CacheSpec, TpMapping), String> {
+    let spec = args.layout.to_spec().map_err(|e| e.to_string())?;
+    let mine = &bufs.kv.spec;
+    if spec.tokens_per_block() != mine.tokens_per_block() || spec.dtype() != mine.dtype() {
+        return Err(format!(
+            "page size or dtype differ: decode {} tokens {}, prefill {} tokens {}",
+            spec.tokens_per_block(),
+            spec.dtype(),
+            mine.tokens_per_block(),
+            mine.dtype()
+        ));
+    }
+    CacheSide::new(&spec, &args.kv_bases, 0).map_err(|e| e.to_string())?;
+    // The model's heads and layers as each side counts them: a decode that splits heads
+    // otherwise would expect writers this rank's plan never names, and wait them out.
+    let kv = &bufs.kv;
+    let ours = SideLayout {
+        spec: mine,
+        tp_size,
+        total_kv_heads: kv.total_kv_heads,
+        total_layers: kv.total_layers,
+    };
+    let theirs = SideLayout {
+        spec: &spec,
+        tp_size: args.tp_size,
+        total_kv_heads: args.layout.total_kv_heads,
+        total_layers: args.layout.total_layers,
+    };
+    check_compatible(&ours, &theirs).map_err(|m| {
+            let all: Vec<String> = m.iter().map(ToString::to_string).collect();
+            format!(
+                "the decode's cache does not pair with this prefill rank's (local: prefill, remote: decode): {}",
+                all.join("; ")
+            )
+        })?;
+    if args.aux.len() != bufs.aux.len()
+        || args
             .aux
             .iter()
-            .chain(&args.state)
-            .find(|b| b.end().is_none())
-        {
-            return Err(format!(
-                "buffer of {} items of {} bytes at {:#x} overflows the address space",
-                b.items, b.item_len, b.base
-            ));
-        }
-        let mapping = TpMapping::new(self.config.tp.1, args.tp_size, self.bufs.kv.sharding())
-            .map_err(|e| e.to_string())?;
+            .zip(&bufs.aux)
+            .any(|(a, b)| a.item_len != b.item_len)
+    {
+        return Err("aux buffers differ in count or item length".into());
+    }
+    if args.state.len() != bufs.state.len()
+        || args
+            .state
+            .iter()
+            .zip(&bufs.state)
+            .any(|(a, b)| a.item_len != b.item_len)
+    {
+        return Err("state buffers differ in count or item length".into());
+    }
+    // Item addresses are computed from these numbers for every WRITE: none may wrap.
+    if let Some(b) = args
+        .aux
+        .iter()
+        .chain(&args.state)
+        .find(|b| b.end().is_none())
+    {
+        return Err(format!(
+            "buffer of {} items of {} bytes at {:#x} overflows the address space",
+            b.items, b.item_len, b.base
+        ));
+    }
+    let mapping =
+        TpMapping::new(tp_size, args.tp_size, kv.sharding()).map_err(|e| e.to_string())?;
+    Ok((spec, mapping))
+}
+
+impl<T: Transport> PushPrefill<T> {
+    pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
+        let (spec, mapping) = check_registration(&self.bufs, self.config.tp.1, &args)?;
         let now = self.clock.now();
         if let Some(d) = self.decodes.get_mut(&args.agent).filter(|d| d.args == args) {
             // The same decode registering again (once per bootstrap): keep the loaded peer,

@@ -6,6 +6,7 @@
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -128,6 +129,8 @@ pub struct PushPrefill<T: Transport> {
     plan: TransferPlan,
     ranges: (Vec<AddrRange>, Vec<AddrRange>),
     refused: u64,
+    /// Registrations the mailbox refused in its reply (they never reach `poll`).
+    refused_in_reply: Arc<AtomicU64>,
     metrics: PushMetrics,
     /// Content digesting, set up when a decode first asks for it (or why it cannot be).
     digests: Option<Result<PageDigests, String>>,
@@ -179,6 +182,9 @@ impl<T: Transport> PushPrefill<T> {
         let me = Destination::mailbox(transport.name());
         let known: Known = Arc::default();
         let shared = Arc::clone(&known);
+        let (fit, tp_size) = (bufs.clone(), config.tp.1);
+        let refused_in_reply = Arc::new(AtomicU64::new(0));
+        let refusals = Arc::clone(&refused_in_reply);
         let mailbox = MessageServer::bind(
             &config.host,
             config.port,
@@ -190,9 +196,16 @@ impl<T: Transport> PushPrefill<T> {
                     Ok(msg) => {
                         let mut known = lock(&shared);
                         match &msg {
-                            // Known from now on; `poll` takes it back if the registration
-                            // is refused.
+                            // A registration that cannot pair is refused in the reply, so
+                            // the decode fails its room at once. Known from now on
+                            // otherwise; `poll` takes it back if loading the peer fails.
                             ToPrefill::Register(a) => {
+                                if let Err(reason) = decodes::check_registration(&fit, tp_size, a)
+                                {
+                                    tracing::warn!(decode = %a.agent, %reason, "registration refused");
+                                    refusals.fetch_add(1, Ordering::Relaxed);
+                                    return messages::encode(&FromPrefill::Error { reason });
+                                }
                                 known.insert(a.agent.clone());
                             }
                             ToPrefill::Room(r) if !known.contains(&r.agent) => {
@@ -260,6 +273,7 @@ impl<T: Transport> PushPrefill<T> {
             plan: TransferPlan::default(),
             ranges: (Vec::new(), Vec::new()),
             refused: 0,
+            refused_in_reply,
             metrics: PushMetrics::default(),
             digests: None,
         })
@@ -292,9 +306,11 @@ impl<T: Transport> PushPrefill<T> {
         m
     }
 
-    /// Control messages refused (unknown agent, malformed content).
+    /// Control messages refused (unknown agent, malformed content, a registration that
+    /// does not pair).
     pub fn refused(&self) -> u64 {
         self.refused
+            .saturating_add(self.refused_in_reply.load(Ordering::Relaxed))
     }
 
     /// A room this rank will send `total_pages` pages of, plus aux and state on the last chunk.
