@@ -441,6 +441,18 @@ def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
     raise ValueError(f"kv_connector_extra_config {key!r}: expected true or false, got {value!r}")
 
 
+def select_transport(extra: dict[str, Any]) -> str:
+    """The transport `kv_connector_extra_config` names (``ucx`` by default), its library
+    loaded: UCX's (``ucx_library``, else NIXL's bundled one or the system's) or NIXL's."""
+    transport = str(extra.get("transport", "ucx"))
+    if transport == "ucx":
+        library = kvxfer.ucx.select(str(extra.get("ucx_library", "auto")))
+        log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
+    elif transport == "nixl":
+        log.info("kvxfer: NIXL runtime %s (%s)", *kvxfer.nixl.select())
+    return transport
+
+
 def _held(ids: list[int]) -> list[int]:
     """A group's block ids without the null blocks (id 0) vLLM's hybrid manager puts where
     it freed out-of-window blocks: always at the start."""
@@ -790,12 +802,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             except ValueError as err:
                 # kvxfer peers are unaffected: only stock vLLM peers need the factors.
                 log.warning("kvxfer: stock vLLM peers disabled: %s", err)
-        transport = str(e.get("transport", "ucx"))
-        if transport == "ucx":
-            library = kvxfer.ucx.select(str(e.get("ucx_library", "auto")))
-            log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
-        elif transport == "nixl":
-            log.info("kvxfer: NIXL runtime %s (%s)", *kvxfer.nixl.select())
+        transport = select_transport(e)
         self._worker = kvxfer.PullWorker(
             f"{self._engine_id}-{tp_rank}",
             transport,
@@ -947,3 +954,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 part.close()
         if self._worker is not None:
             self._worker.shutdown()
+
+
+# The push flow's connector, beside the pull one (it imports this module's helpers).
+from kvxfer.vllm_push import KvxferPushConnector as KvxferPushConnector  # noqa: E402

@@ -165,7 +165,8 @@ def main() -> None:
                 logprobs=1,
                 extra_args=extra,
             )
-            rid = f"{role}-{n}"
+            # A request may name its id (the push flow: both engines get the router's id).
+            rid = str(r.get("id") or f"{role}-{n}")
             n += 1
             submitted[rid] = time.monotonic()
             engine.add_request(rid, TokensPrompt(prompt_token_ids=r["prompt"]), sp)

@@ -1,0 +1,415 @@
+"""KvxferPushConnector: vLLM's push flow over kvxfer's push core.
+
+The decode is asked first: it allocates the prompt's blocks and opens a *room* for them at the
+prefill (``kvxfer.PushDecode.add_room``, through the push registry on the prefill's side
+channel port); the prefill computes the prompt and WRITEs its blocks into the room
+(``kvxfer.PushPrefill.send``); the decode schedules the request once every prefill rank's
+writes landed. It is the flow of vLLM's NixlPushConnector, with kvxfer's rooms, registration
+once per peer, heterogeneous TP and failure handling underneath.
+
+Operators switch to it with ``kv_connector: KvxferPushConnector`` (module ``kvxfer.vllm``);
+``kv_connector_extra_config`` takes the pull connector's ``transport``, ``ucx_library``,
+``side_channel_host`` and ``side_channel_port`` (the prefill's registry: what a router
+passes to the decode as ``remote_host`` / ``remote_port``), plus ``bootstrap_timeout`` and
+``waiting_timeout`` (seconds). A router posts the decode first with ``{"do_remote_prefill":
+true, "remote_host", "remote_port", ...}`` and then the prefill with ``{"do_remote_decode":
+true}``, under the same request id (as for NixlPushConnector): both ends name the room
+after it, without vLLM's random ``-<8 hex>`` suffix.
+
+Supported today: one full-attention KV cache group (dense models, host memory); a hybrid,
+sliding-window or Mamba model is refused at start-up with the reason (use KvxferConnector,
+which pulls). The decode's blocks go back to vLLM only once no prefill rank can still write
+into them (a room aborted with the request is drained first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+import kvxfer
+from kvxfer.vllm import _HANDED_OFF, _held, cache_groups, describe_engine_cache, select_transport
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvxfer")
+
+# kvxfer's room states (SGLang's KVPoll values).
+_FAILED, _SUCCESS = 0, 4
+# vLLM's per-request randomization suffix (`-` and 8 hex digits), which each engine adds.
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def room_of(request_id: str) -> int:
+    """The room both engines name a request's hand-off by: its id as the router gave it
+    (vLLM's random suffix stripped), hashed to 63 bits."""
+    base = _SUFFIX.sub("", request_id)
+    return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def pages_for(tokens: int, block_size: int) -> int:
+    """Blocks holding `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
+@dataclass
+class PushStepMetadata(KVConnectorMetadata):
+    """One scheduler step for the workers. `open`: decode rooms to open (request, room,
+    registry host and port, the decode's blocks, prompt tokens its own cache holds);
+    `send`: prefill rooms to write (request, room, the prefill's blocks); `abort`: decode
+    rooms whose request ended first (request, room); `idle`: the step scheduled no token."""
+
+    open: list[tuple[str, int, str, int, list[int], int]] = field(default_factory=list)
+    send: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    abort: list[tuple[str, int]] = field(default_factory=list)
+    idle: bool = False
+
+
+@dataclass
+class _Send:
+    """A prefill room on a worker: its request and blocks, when the scheduler handed it over
+    (`time.monotonic`); `sent` once its WRITEs posted."""
+
+    req: str
+    pages: list[int]
+    since: float
+    sent: bool = False
+
+
+class KvxferPushConnector(KVConnectorBase_V1):
+    """vLLM KV connector for the push flow (the decode asks, the prefill WRITEs)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self._extra = extra
+        self._engine_id = str(ktc.engine_id)
+        self._host = str(extra.get("side_channel_host", "127.0.0.1"))
+        par = vllm_config.parallel_config
+        dp = int(getattr(par, "data_parallel_rank_local", 0) or 0)
+        self._port = int(extra.get("side_channel_port", 5600)) + dp
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._idle_wait = float(extra.get("idle_wait", 0.005))
+        # How long either side waits for the other to show up for a request.
+        self._bootstrap_timeout = float(extra.get("bootstrap_timeout", 30.0))
+        if kv_cache_config is not None:
+            groups = cache_groups(kv_cache_config, self._block_size)
+            if len(groups) != 1 or groups[0].window is not None or groups[0].state:
+                raise ValueError(
+                    "kvxfer push: one full-attention KV cache group only for now (this model "
+                    f"has {len(groups)} groups, sliding-window or Mamba ones among them); "
+                    "KvxferConnector (pull) moves hybrid, sliding-window and Mamba caches"
+                )
+        # Scheduler side.
+        self._open: list[tuple[str, int, str, int, list[int], int]] = []
+        self._send: list[tuple[str, int, list[int]]] = []
+        self._abort: list[tuple[str, int]] = []
+        self._receiving: dict[str, int] = {}  # decode requests waiting for their room
+        self._sending: set[str] = set()  # requests whose blocks wait for a room to end
+        # Worker side.
+        self._registry: kvxfer.PushRegistry | None = None
+        self._prefill: kvxfer.PushPrefill | None = None
+        self._decode: kvxfer.PushDecode | None = None
+        self._recv_rooms: dict[int, tuple[str, list[int]]] = {}
+        self._send_rooms: dict[int, _Send] = {}
+        self._drain_rooms: dict[int, str] = {}
+
+    # ---- scheduler side (EngineCore process) ----
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        # Once: a preempted request scheduled again computes its prompt itself.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        prompt = len(request.prompt_token_ids or [])
+        cached = prompt - num_external_tokens
+        ids = _held(list(blocks.get_unhashed_block_ids_all_groups()[0]))
+        # The blocks of the tokens the prefill writes: those past the ones cached here.
+        first, end = cached // self._block_size, pages_for(prompt, self._block_size)
+        pages = ids[: end - first] if cached % self._block_size == 0 else []
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not pages or len(pages) != end - first or not isinstance(port, int) or not host:
+            log.warning(
+                "request %s: cannot open a push room (registry %r:%r, %d of %d blocks, "
+                "%d tokens cached); its load fails",
+                request.request_id,
+                host,
+                port,
+                len(pages),
+                end - first,
+                cached,
+            )
+            host, port, pages = "", 0, []
+        room = room_of(request.request_id)
+        self._open.append((request.request_id, room, str(host), int(port), pages, cached))
+        self._receiving[request.request_id] = room
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PushStepMetadata(
+            self._open,
+            self._send,
+            self._abort,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+        self._open, self._send, self._abort = [], [], []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        room = self._receiving.pop(rid, None)
+        if room is not None:
+            # A decode request that ended before its room did: its blocks stay until no
+            # prefill rank can write into them any more.
+            self._abort.append((rid, room))
+            self._sending.add(rid)
+            return True, None
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
+            return False, None
+        n = pages_for(len(request.prompt_token_ids or []), self._block_size)
+        pages = _held(list(block_ids))[:n]
+        if len(pages) != n:
+            log.warning("request %s: %d of its %d prompt blocks held", rid, len(pages), n)
+            return False, None
+        self._send.append((rid, room_of(rid), pages))
+        self._sending.add(rid)
+        # For the client, as NixlPushConnector answers: what was handed off, and where.
+        return True, {
+            "kvxfer_room": room_of(rid),
+            "remote_block_ids": pages,
+            "remote_num_tokens": request.num_computed_tokens,
+        }
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._sending or self._open or self._send or self._abort)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._sending.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            # Also the end of a request that ended while its room was open: vLLM frees its
+            # blocks with this report, and the worker ignores the abort that follows.
+            self._receiving.pop(rid, None)
+            self._sending.discard(rid)
+
+    # ---- worker side (worker process) ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        cfg = self._vllm_config
+        tp_rank, tp_size = (
+            get_tensor_model_parallel_rank(),
+            cfg.parallel_config.tensor_parallel_size,
+        )
+        layout = describe_engine_cache(kv_caches, cfg)
+        layout["total_kv_heads"] = cfg.model_config.get_total_num_kv_heads()
+        layout["total_layers"] = cfg.model_config.hf_text_config.num_hidden_layers
+        transport = select_transport(self._extra)
+        e = self._extra
+        name = f"{self._engine_id}-push-{tp_rank}"
+        self._decode = kvxfer.PushDecode(
+            f"{name}-d",
+            transport,
+            layout,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            waiting_timeout=float(e.get("waiting_timeout", 300.0)),
+            bootstrap_timeout=self._bootstrap_timeout,
+        )
+        if tp_rank == 0:
+            # The registry decodes ask for this engine's ranks, on the side channel port.
+            self._registry = kvxfer.PushRegistry(self._host, self._port)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                self._prefill = kvxfer.PushPrefill(
+                    f"{name}-p",
+                    transport,
+                    layout,
+                    registry=(self._host, self._port),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    host=self._host,
+                    bootstrap_timeout=self._bootstrap_timeout,
+                )
+                break
+            except kvxfer.KvxferError:
+                # Rank 0's registry is not up yet (another process).
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        log.info(
+            "kvxfer push: rank %d/%d registered %d layers (%s %s, %d blocks), registry %s:%d",
+            tp_rank,
+            tp_size,
+            layout["num_layers"],
+            layout["kind"],
+            layout["order"],
+            layout["num_blocks"],
+            self._host,
+            self._port,
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PushStepMetadata)
+        assert self._decode is not None and self._prefill is not None
+        for rid, room, host, port, pages, cached in meta.open:
+            self._recv_rooms[room] = (rid, pages)
+            if not pages:
+                continue  # failed in the scheduler: reported at the next poll
+            try:
+                self._decode.add_room(room, (host, port), pages, prefix_tokens=cached)
+            except kvxfer.KvxferError as e:
+                log.warning("kvxfer push: request %s: room refused: %s", rid, e)
+                self._recv_rooms[room] = (rid, [])
+        for rid, room, pages in meta.send:
+            self._send_rooms[room] = _Send(rid, pages, time.monotonic())
+        for rid, room in meta.abort:
+            # A room already reported (done or failed) had its blocks freed by vLLM with the
+            # report; only one still open is aborted, and its blocks given back once drained.
+            if self._recv_rooms.pop(room, None) is not None:
+                self._decode.abort(room)
+                self._drain_rooms[room] = rid
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def _progress(self) -> tuple[set[str], set[str], set[str]]:
+        """Polls both halves and posts what became ready: (finished sending, finished
+        receiving, failed receiving)."""
+        assert self._decode is not None and self._prefill is not None
+        pre, dec = self._prefill, self._decode
+        pre.poll()
+        dec.poll()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        now = time.monotonic()
+        for room, s in list(self._send_rooms.items()):
+            if not s.sent and now - s.since > self._bootstrap_timeout:
+                # No decode asked for these blocks: give them back.
+                log.warning(
+                    "kvxfer push: request %s: no decode opened its room within %.0f s",
+                    s.req,
+                    self._bootstrap_timeout,
+                )
+                del self._send_rooms[room]
+                sending.add(s.req)
+                continue
+            if not s.sent and pre.destinations_ready(room):
+                s.sent = True
+                prefix = pages_for(pre.decode_prefix(room) or 0, self._block_size)
+                try:
+                    pre.add_room(room, len(s.pages) - prefix)
+                    pre.send(room, s.pages[prefix:])
+                except kvxfer.KvxferError as e:
+                    log.warning("kvxfer push: request %s: send failed: %s", s.req, e)
+            status = pre.status(room)
+            if status in (_FAILED, _SUCCESS):
+                if status == _FAILED:
+                    log.warning("kvxfer push: request %s: %s", s.req, pre.error(room))
+                pre.remove_room(room)
+                del self._send_rooms[room]
+                sending.add(s.req)
+        for room, (rid, pages) in list(self._recv_rooms.items()):
+            status = dec.status(room) if pages else _FAILED
+            if status == _SUCCESS:
+                recving.add(rid)
+            elif status == _FAILED:
+                if pages and not dec.drained(room):
+                    # A prefill rank may still write into these blocks: vLLM frees them
+                    # with this report, so it waits until every rank stopped.
+                    continue
+                log.warning("kvxfer push: load of %s failed: %s", rid, dec.error(room))
+                # vLLM's way for a failed asynchronous load: in both sets.
+                recving.add(rid)
+                failed.add(rid)
+            else:
+                continue
+            if pages:
+                dec.remove_room(room)
+            del self._recv_rooms[room]
+        for room, rid in list(self._drain_rooms.items()):
+            if dec.drained(room):
+                dec.forget(room)
+                del self._drain_rooms[room]
+                sending.add(rid)
+        return sending, recving, failed
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._decode is None:
+            return KVConnectorTransferResults()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, PushStepMetadata) and meta.idle
+        deadline = time.monotonic() + (self._idle_wait if idle else 0.0)
+        sending, recving, failed = self._progress()
+        # A step that scheduled nothing exists only to poll us: wait a little for news
+        # rather than have vLLM step back-to-back on the cores the transfers use.
+        while not (sending or recving) and time.monotonic() < deadline:
+            time.sleep(0.001)
+            sending, recving, failed = self._progress()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Failed loads are reported per request (`failed_recving`), whole.
+        return set()
+
+    def shutdown(self) -> None:
+        for part in (self._prefill, self._decode, self._registry):
+            if part is not None:
+                part.shutdown()

