@@ -107,14 +107,17 @@ fuzz_target!(|data: &[u8]| {
                     before,
                     RoomStatus::WaitingForInput | RoomStatus::Transferring
                 ) && !m.last_sent;
-                match room.next_chunk(1, pages) {
+                // Some layers of the pages, the others to follow (streaming layer by layer).
+                let completes = arg & 0x40 == 0;
+                match room.next_layer_chunk(1, pages, completes) {
                     Ok(chunk) => {
                         assert!(
                             takes && pages <= left,
                             "chunk laid out in {before:?} or past the pages"
                         );
                         assert_eq!((chunk.start, chunk.id), (m.sent, m.chunks));
-                        assert_eq!(chunk.is_last, pages == left);
+                        assert_eq!(chunk.is_last, completes && pages == left);
+                        assert_eq!(chunk.advance, if completes { pages } else { 0 });
                         assert!(chunk.dests.iter().all(|d| !d.pages.is_empty()));
                         let posted: Vec<XferId> = (0..u64::from(op >> 6))
                             .map(|_| {
@@ -127,7 +130,7 @@ fuzz_target!(|data: &[u8]| {
                         if failure.is_some() {
                             m.failed = true;
                         } else {
-                            m.sent += pages;
+                            m.sent += chunk.advance;
                             m.chunks += 1;
                             m.last_sent = chunk.is_last;
                         }

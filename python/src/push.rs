@@ -320,6 +320,29 @@ impl PushPrefill {
         })
     }
 
+    /// Sends layers `first_layer .. first_layer + num_layers` (this rank's own indices) of
+    /// `pages` as one chunk, for streaming each layer as the engine computes it; the chunk
+    /// that `completes` these pages moves on to the room's next ones (and completes the room
+    /// when none are left). Raises as `send` does, and `InvalidArgumentError` for layers
+    /// this rank does not hold or a cross-layer cache.
+    fn send_layers(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        pages: Vec<u32>,
+        first_layer: u32,
+        num_layers: u32,
+        completes: bool,
+    ) -> PyResult<()> {
+        let end = first_layer
+            .checked_add(num_layers)
+            .ok_or_else(|| InvalidArgumentError::new_err("layer range overflows"))?;
+        self.inner.with(py, "prefill", |p| {
+            p.send_layers(room, &pages, first_layer..end, completes)
+                .map_err(push_error)
+        })
+    }
+
     /// The room's status (0–4), or `None` for a room this rank has not heard of.
     fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
         self.inner

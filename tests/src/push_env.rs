@@ -352,6 +352,29 @@ pub fn run_room<T: Transport>(
     aux: Option<(u32, u32)>,
     state: (Vec<u32>, Vec<u32>),
 ) -> Vec<RoomStatus> {
+    let mut whole = |p: &mut PushPrefill<T>, room: u64, src: &[u32]| {
+        src.chunks(chunk.max(1))
+            .all(|part| p.send(room, part).is_ok())
+    };
+    run_room_sending(pre, dec, room, src, dst, &mut whole, aux, state)
+}
+
+/// How a prefill rank sends a room's pages: (rank, room, pages) → false if it stopped on
+/// an error.
+pub type SendPages<'a, T> = dyn FnMut(&mut PushPrefill<T>, u64, &[u32]) -> bool + 'a;
+
+/// [`run_room`], each prefill rank sending its `src` pages with `send`.
+#[allow(clippy::too_many_arguments)]
+pub fn run_room_sending<T: Transport>(
+    pre: &mut PrefillSide<T>,
+    dec: &mut DecodeSide<T>,
+    room: u64,
+    src: &[u32],
+    dst: &[u32],
+    send: &mut SendPages<'_, T>,
+    aux: Option<(u32, u32)>,
+    state: (Vec<u32>, Vec<u32>),
+) -> Vec<RoomStatus> {
     let port = pre.registry.port();
     for d in &mut dec.ranks {
         d.add_room(
@@ -375,11 +398,7 @@ pub fn run_room<T: Transport>(
         if p.status(room) == Some(RoomStatus::Failed) {
             continue;
         }
-        for part in src.chunks(chunk.max(1)) {
-            if p.send(room, part).is_err() {
-                break;
-            }
-        }
+        send(p, room, src);
     }
     poll_until(pre, dec, |pre, dec| {
         pre.ranks

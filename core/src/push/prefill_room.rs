@@ -51,6 +51,9 @@ pub struct Chunk {
     pub id: u32,
     /// Pages in the chunk.
     pub pages: usize,
+    /// Pages the chunk completes (its `pages`, or 0 for one layer range of pages whose
+    /// other layers follow in later chunks).
+    pub advance: usize,
     /// Whether the chunk completes the room (it then carries aux and state too).
     pub is_last: bool,
     /// Destinations that receive data (dummy ones, without pages, are left out).
@@ -241,6 +244,18 @@ impl PrefillRoom {
     /// in flight: another "last" chunk would write aux and state again), or when more pages
     /// are given than are left.
     pub fn next_chunk(&self, room: u64, pages: usize) -> Result<Chunk, PushError> {
+        self.next_layer_chunk(room, pages, true)
+    }
+
+    /// Like [`PrefillRoom::next_chunk`], for a chunk that carries some layers of `pages`:
+    /// it completes them (and may complete the room) only if `completes`; otherwise the
+    /// same pages come again in the next chunk, with other layers.
+    pub fn next_layer_chunk(
+        &self,
+        room: u64,
+        pages: usize,
+        completes: bool,
+    ) -> Result<Chunk, PushError> {
         if self.last_sent {
             return Err(PushError::AllSent(room));
         }
@@ -265,7 +280,8 @@ impl PrefillRoom {
             start: self.sent,
             id: self.chunk,
             pages,
-            is_last: pages == left,
+            advance: if completes { pages } else { 0 },
+            is_last: completes && pages == left,
             dests: self
                 .dests
                 .values()
@@ -284,7 +300,7 @@ impl PrefillRoom {
         match failure {
             Some(e) => self.fail(e),
             None => {
-                self.sent.tally(chunk.pages);
+                self.sent.tally(chunk.advance);
                 self.chunk.tally(1);
                 self.last_sent = chunk.is_last;
                 self.status = self.status.update(RoomStatus::Transferring);
@@ -538,6 +554,28 @@ mod tests {
             RoomStatus::WaitingForInput,
             "a dummy has no page count"
         );
+    }
+
+    #[test]
+    fn layer_chunks_advance_only_when_they_complete_their_pages() {
+        let mut r = ready(3, &[("a", 3)]);
+        for (pages, completes, start, id, is_last) in [
+            (2, false, 0, 0, false),
+            (2, true, 0, 1, false),
+            (1, false, 2, 2, false),
+            (1, true, 2, 3, true),
+        ] {
+            let c = r.next_layer_chunk(7, pages, completes).expect("chunk");
+            assert_eq!(
+                (c.start, c.id, c.pages, c.advance, c.is_last),
+                (start, id, pages, if completes { pages } else { 0 }, is_last)
+            );
+            r.chunk_posted(&c, vec![], None);
+        }
+        assert!(matches!(
+            r.next_layer_chunk(7, 0, false),
+            Err(PushError::AllSent(7))
+        ));
     }
 
     #[test]

@@ -45,6 +45,7 @@ macro_rules! pull_scenarios {
 macro_rules! push_scenarios {
     ($run:path) => {
         $crate::scenario_tests!($run, push: single_room_chunked_with_aux,
+            layer_by_layer_sends_complete_rooms,
             heterogeneous_tp_replication_and_mla, pipeline_stages_including_an_uneven_split,
             many_rooms_concurrently, mamba_and_window_state, dummy_ranks_complete_without_data,
             registry_not_ready_then_ready, page_size_or_dtype_mismatch_is_refused,

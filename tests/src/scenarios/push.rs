@@ -12,7 +12,7 @@ use kvxfer_layout::{BlockOrder, Dtype};
 use crate::conformance::TransportFactory;
 use crate::faulty::WithFaults;
 use crate::pull_env::Model;
-use crate::push_env::{Setup, decode_on, poll_until, prefill_on, run_room};
+use crate::push_env::{Setup, decode_on, poll_until, prefill_on, run_room, run_room_sending};
 use crate::scenarios::pull::clock;
 
 /// One room `src` → `dst` through a deployment; checks every decode byte and aux item.
@@ -102,6 +102,80 @@ pub fn heterogeneous_tp_replication_and_mla<F: TransportFactory>(f: &F) {
             &format!("mla{p}x{d}"),
             2,
         );
+    }
+}
+
+/// Each chunk sent layer by layer (`send_layers`, as an engine streams layers while it
+/// computes): rooms complete, bytes and aux land, across TP, pipeline stages and MLA; a
+/// room is not complete before its last page's last layer went out.
+pub fn layer_by_layer_sends_complete_rooms<F: TransportFactory>(f: &F) {
+    let mut model = Model::small(BlockOrder::Nhd, 4);
+    model.layers = 3;
+    let mut staged = Setup::new(model, 2, 1);
+    staged.stages = vec![2, 1];
+    // Content digests: taken with the chunk that completes its pages, over every layer.
+    let mut digested = Setup::new(model, 2, 2);
+    digested.decode_config = crate::scenarios::push_digest::digests_on;
+    let setups = [
+        (Setup::new(model, 1, 1), "layers"),
+        (Setup::new(model, 1, 2), "layers-tp1x2"),
+        (staged, "layers-pp"),
+        (Setup::new(Model::mla(), 2, 1), "layers-mla"),
+        (digested, "layers-digest"),
+    ];
+    for (s, name) in setups {
+        let c = clock();
+        let mut pre = prefill_on(f, &s, name, Arc::clone(&c), None, None);
+        let mut dec = decode_on(f, &s, name, c);
+        let (src, dst) = ([2u32, 3, 4, 9, 10], [0u32, 5, 6, 7, 1]);
+        let mut by_layer = |p: &mut kvxfer_core::push::PushPrefill<_>, room: u64, src: &[u32]| {
+            let layers = p.rank_info().num_layers;
+            src.chunks(2).all(|part| {
+                (0..layers).all(|l| {
+                    let last = l + 1 == layers;
+                    let sent = p.send_layers(room, part, l..l + 1, last).is_ok();
+                    // Until its last layer, a chunk's pages do not count as sent.
+                    sent && (last || p.status(room) != Some(RoomStatus::Success))
+                })
+            })
+        };
+        let statuses = run_room_sending(
+            &mut pre,
+            &mut dec,
+            42,
+            &src,
+            &dst,
+            &mut by_layer,
+            Some((3, 6)),
+            (vec![], vec![]),
+        );
+        assert!(
+            statuses.iter().all(|s| *s == RoomStatus::Success),
+            "{name}: {statuses:?} {:?}",
+            dec.ranks[0].error(42)
+        );
+        let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst.iter().copied()).collect();
+        for (r, m) in dec.mem.iter().enumerate() {
+            if let Err(e) = m.kv.verify(&pairs) {
+                panic!("{name}: decode rank {r}: {e}");
+            }
+            assert!(m.aux.holds(6, 3), "{name}: aux item on decode rank {r}");
+        }
+        if name == "layers-digest" {
+            for d in &mut dec.ranks {
+                let m = d.take_metrics();
+                assert_eq!((m.verified_rooms, m.digest_mismatches), (1, 0));
+            }
+        }
+        // One WRITE per layer and chunk (3 chunks) to each decode rank it writes to, and the
+        // aux item where it is the last stage's lead writer.
+        let p0 = &mut pre.ranks[0];
+        let layers = u64::from(p0.rank_info().num_layers);
+        let transfers = p0.take_metrics().transfers;
+        assert!(transfers >= 3 * layers, "{name}: {transfers}");
+        if name == "layers" {
+            assert_eq!(transfers, 3 * layers + 1);
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use crate::pull_env::Model;
 use crate::push_env::{Setup, decode_on, prefill_on, run_room};
 use crate::scenarios::pull::clock;
 
-fn digests_on(c: &mut PushDecodeConfig) {
+pub(crate) fn digests_on(c: &mut PushDecodeConfig) {
     c.digest = true;
 }
 

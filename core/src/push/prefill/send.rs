@@ -9,6 +9,7 @@ use super::{PushError, PushPrefill};
 use crate::plan::split_for;
 use crate::push::digests::{Coverage, PageDigests};
 use crate::push::messages::{self, BufferWire, RoomRequest};
+use crate::push::prefill_room::Chunk;
 use crate::tally::Tally;
 use crate::transport::{AddrRange, MemoryKind, Op, Transport, XferId};
 
@@ -16,27 +17,54 @@ impl<T: Transport> PushPrefill<T> {
     /// Sends the next chunk of a room: `pages` are this rank's source pages, paired with the
     /// destinations' next pages. The chunk completing the room also carries aux and state.
     pub fn send(&mut self, room: u64, pages: &[u32]) -> Result<(), PushError> {
+        self.send_chunk(room, pages, None, true)
+    }
+
+    /// Sends this rank's layers `layers` (its own indices, `0..` its stage's layer count) of
+    /// `pages` as one chunk: for streaming each layer as the engine computes it. The chunk
+    /// that `completes` these pages (their last layers) moves on to the room's next pages,
+    /// and completes the room when none are left (aux and state go with it). A content
+    /// digest covers the pages whole, taken with the completing chunk.
+    pub fn send_layers(
+        &mut self,
+        room: u64,
+        pages: &[u32],
+        layers: std::ops::Range<u32>,
+        completes: bool,
+    ) -> Result<(), PushError> {
+        let spec = &self.bufs.kv.spec;
+        if layers.is_empty() || layers.end > spec.num_layers() {
+            return Err(PushError::Setup(format!(
+                "layers {layers:?} of a rank holding {}",
+                spec.num_layers()
+            )));
+        }
+        if spec.kind() == kvxfer_layout::CacheKind::CrossLayer {
+            return Err(PushError::Setup(
+                "a cross-layer cache holds every layer in each block: send whole pages".into(),
+            ));
+        }
+        self.send_chunk(room, pages, Some(layers), completes)
+    }
+
+    fn send_chunk(
+        &mut self,
+        room: u64,
+        pages: &[u32],
+        layers: Option<std::ops::Range<u32>>,
+        completes: bool,
+    ) -> Result<(), PushError> {
         let chunk = self
             .rooms
             .get(&room)
             .ok_or(PushError::UnknownRoom(room))?
-            .next_chunk(room, pages.len())?;
+            .next_layer_chunk(room, pages.len(), completes)?;
         let mut posted = Vec::new();
         let mut failure = None;
         let started = self.clock.now();
         for dest in &chunk.dests {
             // WRITEs posted before a failure are recorded too, so the room can release them.
-            if let Err(e) = self.send_to(
-                dest,
-                room,
-                pages,
-                chunk.start,
-                chunk.id,
-                chunk.is_last,
-                chunk.aux_index,
-                &chunk.state_indices,
-                &mut posted,
-            ) {
+            if let Err(e) = self.send_to(dest, room, pages, layers.clone(), &chunk, &mut posted) {
                 failure = Some(e);
                 break;
             }
@@ -56,19 +84,22 @@ impl<T: Transport> PushPrefill<T> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Posts `chunk` of `room` (`pages`, of `layers` or all) to one destination.
     fn send_to(
         &mut self,
         dest: &RoomRequest,
         room: u64,
         pages: &[u32],
-        start: usize,
-        chunk: u32,
-        is_last: bool,
-        aux_index: Option<u32>,
-        state_indices: &[u32],
+        layers: Option<std::ops::Range<u32>>,
+        chunk: &Chunk,
         posted: &mut Vec<XferId>,
     ) -> Result<(), String> {
+        let (start, is_last, aux_index) = (chunk.start, chunk.is_last, chunk.aux_index);
+        let state_indices = &chunk.state_indices;
+        // A layer chunk that leaves layers of its pages to later chunks is not digested:
+        // the chunk completing them digests the pages whole.
+        let completes = chunk.advance == chunk.pages;
+        let chunk = chunk.id;
         let d = self
             .decodes
             .get(&dest.agent)
@@ -93,7 +124,12 @@ impl<T: Transport> PushPrefill<T> {
             .min()
             == Some(me);
         let kv = &self.bufs.kv;
-        let src = CacheSide::new(&kv.spec, &kv.bases, kv.first_layer).map_err(|e| e.to_string())?;
+        let part = layers.as_ref().map(|l| layer_part(kv, l)).transpose()?;
+        let src = match &part {
+            Some((spec, bases, first)) => CacheSide::new(spec, bases, *first),
+            None => CacheSide::new(&kv.spec, &kv.bases, kv.first_layer),
+        }
+        .map_err(|e| e.to_string())?;
         let dst = CacheSide::new(&d.spec, &d.args.kv_bases, 0).map_err(|e| e.to_string())?;
         let dst_pages = start
             .checked_add(pages.len())
@@ -135,7 +171,7 @@ impl<T: Transport> PushPrefill<T> {
             .tally(self.plan.len() as u64);
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
-        let note = if dest.digest {
+        let note = if dest.digest && completes {
             // The pages' digests join this destination's fold before their WRITE is posted;
             // the last chunk's note carries the fold.
             let digesting = self.clock.now();
@@ -251,4 +287,42 @@ fn items(
         }
     }
     Ok((l, r))
+}
+
+/// The spec, region bases and global first layer of `layers` (local indices) of `kv`: the
+/// source side of a layer chunk. Not for a cross-layer cache (checked by the caller).
+fn layer_part(
+    kv: &crate::pull::KvCache,
+    layers: &std::ops::Range<u32>,
+) -> Result<(kvxfer_layout::CacheSpec, Vec<u64>, u32), String> {
+    let spec = &kv.spec;
+    let per_layer = spec
+        .num_regions()
+        .checked_div(spec.num_layers())
+        .ok_or("a cache without layers")?;
+    let count = layers
+        .end
+        .checked_sub(layers.start)
+        .ok_or("layers end before they start")?;
+    let sub = kvxfer_layout::CacheSpec::new(kvxfer_layout::CacheParams {
+        num_layers: count,
+        ..*spec.params()
+    })
+    .map_err(|e| e.to_string())?;
+    let (first, n) = (
+        layers.start.checked_mul(per_layer),
+        count.checked_mul(per_layer),
+    );
+    let (first, n) = first.zip(n).ok_or("layer index overflows")?;
+    let bases = kv
+        .bases
+        .get(first as usize..)
+        .and_then(|b| b.get(..n as usize))
+        .ok_or("layers past the cache's regions")?
+        .to_vec();
+    let global = kv
+        .first_layer
+        .checked_add(layers.start)
+        .ok_or("layer index overflows")?;
+    Ok((sub, bases, global))
 }
