@@ -7,6 +7,15 @@ channel port); the prefill computes the prompt and WRITEs its blocks into the ro
 writes landed. It is the flow of vLLM's NixlPushConnector, with kvxfer's rooms, registration
 once per peer, heterogeneous TP and failure handling underneath.
 
+The prefill streams: as vLLM computes each attention layer of a step (``save_kv_layer``),
+the pages that step completes go out for that layer, for every request whose decode has
+asked (pages of earlier steps go whole first), so that the transfer runs behind the rest
+of the forward pass and the decode can start once the last layer landed. A layer vLLM did
+not report goes when the forward pass ends (``wait_for_save``); a cross-layer cache
+(``VLLM_KV_CACHE_LAYOUT=BLHNC``) and a request whose decode asks only after it ended send
+whole pages after the step. ``layerwise: false`` turns streaming off; with
+``layerwise_min_tokens`` shorter prompts are sent after their last step instead.
+
 Operators switch to it with ``kv_connector: KvxferPushConnector`` (module ``kvxfer.vllm``);
 ``kv_connector_extra_config`` takes the pull connector's ``transport``, ``ucx_library``,
 ``side_channel_host`` and ``side_channel_port`` (the prefill's registry: what a router
@@ -39,7 +48,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvxfer
-from kvxfer.vllm import _HANDED_OFF, _held, cache_groups, describe_engine_cache, select_transport
+from kvxfer.vllm import (
+    _HANDED_OFF,
+    _flag,
+    _held,
+    _layer_key,
+    cache_groups,
+    describe_engine_cache,
+    select_transport,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -72,13 +89,52 @@ def pages_for(tokens: int, block_size: int) -> int:
 class PushStepMetadata(KVConnectorMetadata):
     """One scheduler step for the workers. `open`: decode rooms to open (request, room,
     registry host and port, the decode's blocks, prompt tokens its own cache holds);
-    `send`: prefill rooms to write (request, room, the prefill's blocks); `abort`: decode
-    rooms whose request ended first (request, room); `idle`: the step scheduled no token."""
+    `send`: prefill rooms to write, or whose streaming ended (request, room, the prefill's
+    blocks); `abort`: decode rooms whose request ended first (request, room); `stream`: the
+    pages prefill requests complete in this step, streamed layer by layer; `stop`: prefill
+    rooms whose request ended without handing off (request, room); `idle`: the step
+    scheduled no token."""
 
     open: list[tuple[str, int, str, int, list[int], int]] = field(default_factory=list)
     send: list[tuple[str, int, list[int]]] = field(default_factory=list)
     abort: list[tuple[str, int]] = field(default_factory=list)
+    stream: list[_StepPages] = field(default_factory=list)
+    stop: list[tuple[str, int]] = field(default_factory=list)
     idle: bool = False
+    taken: bool = False  # a worker took it (vLLM may bind one step's metadata twice)
+
+
+@dataclass
+class _StepPages:
+    """The prompt pages a prefill request completes in this step (in prompt order, after
+    those of earlier steps), of its `total`, for streaming them layer by layer."""
+
+    req: str
+    room: int
+    pages: list[int]
+    total: int
+
+
+@dataclass
+class _Stream:
+    """A prefill room streamed layer by layer on a worker: its request, the prompt's pages
+    computed so far, and once its decode asked (`active`) the pages the decode holds
+    already (`skip`); until then its pages wait, and go whole when it asks (or when the
+    request ends)."""
+
+    req: str
+    done: list[int] = field(default_factory=list)
+    skip: int = 0
+    active: bool = False
+
+
+@dataclass
+class _Job:
+    """One step's pages of a streaming room, and the next layer to post."""
+
+    room: int
+    pages: list[int]
+    next: int = 0
 
 
 @dataclass
@@ -129,6 +185,12 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self._abort: list[tuple[str, int]] = []
         self._receiving: dict[str, int] = {}  # decode requests waiting for their room
         self._sending: set[str] = set()  # requests whose blocks wait for a room to end
+        self._stop: list[tuple[str, int]] = []
+        # Layer-by-layer streaming (prefill): a request's blocks so far and the prompt pages
+        # already handed to the workers.
+        self._layerwise = _flag(extra, "layerwise", True)
+        self._layerwise_min_tokens = int(extra.get("layerwise_min_tokens", 0))
+        self._streaming: dict[str, tuple[int, int, list[int], int]] = {}
         # Worker side.
         self._registry: kvxfer.PushRegistry | None = None
         self._prefill: kvxfer.PushPrefill | None = None
@@ -136,6 +198,14 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self._recv_rooms: dict[int, tuple[str, list[int]]] = {}
         self._send_rooms: dict[int, _Send] = {}
         self._drain_rooms: dict[int, str] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._jobs: list[_Job] = []
+        self._layer_index: dict[str, int] = {}
+        self._num_layers = 0
+        self._cross_layer = False
+        # Layer chunks posted while the forward pass ran (from `save_kv_layer`), and those
+        # left for its end (`wait_for_save`: layers vLLM did not report).
+        self.layer_posts = {"in_forward": 0, "at_forward_end": 0}
 
     # ---- scheduler side (EngineCore process) ----
 
@@ -152,6 +222,16 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        prompt = len(request.prompt_token_ids or [])
+        if (
+            params
+            and params.get("do_remote_decode")
+            and self._layerwise
+            and prompt >= max(1, self._layerwise_min_tokens)
+            and request.request_id not in self._streaming
+        ):
+            # (room, prompt tokens, blocks so far, pages handed to the workers)
+            self._streaming[request.request_id] = (room_of(request.request_id), prompt, [], 0)
         if not params or not params.get("do_remote_prefill"):
             return
         # Once: a preempted request scheduled again computes its prompt itself.
@@ -186,10 +266,49 @@ class KvxferPushConnector(KVConnectorBase_V1):
             self._open,
             self._send,
             self._abort,
+            self._stream_pages(scheduler_output),
+            self._stop,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._open, self._send, self._abort = [], [], []
+        self._open, self._send, self._abort, self._stop = [], [], [], []
         return meta
+
+    def _stream_pages(self, out: SchedulerOutput) -> list[_StepPages]:
+        """The prompt pages each streaming prefill request completes in this step (a page
+        is complete once its last token, or the prompt's last, is computed)."""
+        if not self._streaming:
+            return []
+        steps: list[_StepPages] = []
+        scheduled: list[tuple[str, list[int] | None, int, bool]] = [
+            (r.req_id, list(r.block_ids[0]), r.num_computed_tokens, True)
+            for r in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            resumed = rid in cached.resumed_req_ids
+            scheduled.append(
+                (rid, None if new is None else list(new[0]), cached.num_computed_tokens[i], resumed)
+            )
+        for rid, blocks, computed, fresh in scheduled:
+            entry = self._streaming.get(rid)
+            if entry is None:
+                continue
+            room, prompt, held, handed = entry
+            if fresh and handed:
+                # Preempted and scheduled again with new blocks: pages already streamed
+                # cannot be taken back, so the room ends here.
+                del self._streaming[rid]
+                self._stop.append((rid, room))
+                continue
+            held = (held if not fresh else []) + (blocks or [])
+            end = computed + out.num_scheduled_tokens.get(rid, 0)
+            total = pages_for(prompt, self._block_size)
+            done = total if end >= prompt else end // self._block_size
+            if done > handed:
+                steps.append(_StepPages(rid, room, held[handed:done], total))
+            self._streaming[rid] = (room, prompt, held, max(done, handed))
+        return steps
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -203,6 +322,12 @@ class KvxferPushConnector(KVConnectorBase_V1):
             self._sending.add(rid)
             return True, None
         params = request.kv_transfer_params
+        streamed = self._streaming.pop(rid, None)
+        if streamed is not None and streamed[3] > 0 and request.status not in _HANDED_OFF:
+            # Ended while its pages were streaming: the room stops, the blocks wait for it.
+            self._stop.append((rid, streamed[0]))
+            self._sending.add(rid)
+            return True, None
         if not params or not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
             return False, None
         n = pages_for(len(request.prompt_token_ids or []), self._block_size)
@@ -220,7 +345,7 @@ class KvxferPushConnector(KVConnectorBase_V1):
         }
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._sending or self._open or self._send or self._abort)
+        return bool(self._sending or self._open or self._send or self._abort or self._stop)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_sending or ():
@@ -242,6 +367,15 @@ class KvxferPushConnector(KVConnectorBase_V1):
             cfg.parallel_config.tensor_parallel_size,
         )
         layout = describe_engine_cache(kv_caches, cfg)
+        names = sorted(kv_caches, key=_layer_key)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._num_layers = len(names)
+        self._cross_layer = layout["kind"] == "cross-layer"
+        if self._cross_layer and self._layerwise:
+            log.info(
+                "kvxfer push: a cross-layer cache holds every layer in each block: pages are "
+                "written once the prefill ends, not layer by layer"
+            )
         layout["total_kv_heads"] = cfg.model_config.get_total_num_kv_heads()
         layout["total_layers"] = cfg.model_config.hf_text_config.num_hidden_layers
         transport = select_transport(self._extra)
@@ -290,9 +424,20 @@ class KvxferPushConnector(KVConnectorBase_V1):
             self._port,
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds a step's metadata before its forward pass but calls `start_load_kv`
+        # after it (unless a load must precede it): the step's work is taken here, so that
+        # its layers can be posted as the forward pass computes them.
+        if isinstance(connector_metadata, PushStepMetadata) and not connector_metadata.taken:
+            connector_metadata.taken = True
+            if self._decode is not None:
+                self._take_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PushStepMetadata)
+        return None  # taken when bound (above)
+
+    def _take_step(self, meta: PushStepMetadata) -> None:
         assert self._decode is not None and self._prefill is not None
         for rid, room, host, port, pages, cached in meta.open:
             self._recv_rooms[room] = (rid, pages)
@@ -303,8 +448,18 @@ class KvxferPushConnector(KVConnectorBase_V1):
             except kvxfer.KvxferError as e:
                 log.warning("kvxfer push: request %s: room refused: %s", rid, e)
                 self._recv_rooms[room] = (rid, [])
+        now = time.monotonic()
+        for rid, room in meta.stop:
+            self._streams.pop(room, None)
+            if self._prefill.status(room) is not None:
+                self._prefill.abort(room)
+            self._send_rooms[room] = _Send(rid, [], now, sent=True)
+        for sp in meta.stream:
+            self._stream_step(sp)
         for rid, room, pages in meta.send:
-            self._send_rooms[room] = _Send(rid, pages, time.monotonic())
+            stream = self._streams.pop(room, None)
+            # A streamed room's pages went out with its steps: it only has to end.
+            self._send_rooms[room] = _Send(rid, pages, now, sent=bool(stream and stream.active))
         for rid, room in meta.abort:
             # A room already reported (done or failed) had its blocks freed by vLLM with the
             # report; only one still open is aborted, and its blocks given back once drained.
@@ -312,16 +467,66 @@ class KvxferPushConnector(KVConnectorBase_V1):
                 self._decode.abort(room)
                 self._drain_rooms[room] = rid
 
+    def _stream_step(self, sp: _StepPages) -> None:
+        """Sets up this step's layer posts of `sp`. A room starts streaming at the first
+        step its decode has asked by: the pages earlier steps completed go whole first."""
+        assert self._prefill is not None
+        pre = self._prefill
+        stream = self._streams.setdefault(sp.room, _Stream(sp.req))
+        before = len(stream.done)
+        stream.done.extend(sp.pages)
+        if not stream.active:
+            if self._cross_layer or not pre.destinations_ready(sp.room):
+                return
+            stream.active = True
+            stream.skip = pages_for(pre.decode_prefix(sp.room) or 0, self._block_size)
+            pre.add_room(sp.room, max(0, sp.total - stream.skip))
+            earlier = stream.done[stream.skip : before]
+            if earlier:
+                try:
+                    pre.send(sp.room, earlier)
+                except kvxfer.KvxferError as e:
+                    log.warning("kvxfer push: room %d: write failed: %s", sp.room, e)
+                    return
+        pages = stream.done[max(before, stream.skip) :]
+        if pages:
+            self._jobs.append(_Job(sp.room, pages))
+
+    def _post_layers(self, job: _Job, end: int, counter: str) -> None:
+        """Posts layers `job.next .. end` of the job's pages (the last ones complete them)."""
+        assert self._prefill is not None
+        if end <= job.next:
+            return
+        try:
+            self._prefill.send_layers(
+                job.room, job.pages, job.next, end - job.next, end == self._num_layers
+            )
+            self.layer_posts[counter] += 1
+        except kvxfer.KvxferError as e:
+            # The room failed in kvxfer; its end is reported as for any failed room.
+            log.warning("kvxfer push: room %d: layer write failed: %s", job.room, e)
+            end = self._num_layers
+        job.next = end
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None
+        # vLLM calls this once the layer's KV is in the cache: post it for every request
+        # whose pages complete in this step (a layer skipped goes with the next one).
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        for job in self._jobs:
+            self._post_layers(job, i + 1, "in_forward")
 
     def wait_for_save(self) -> None:
-        return None
+        # The forward pass ended: any layer not posted yet goes now.
+        for job in self._jobs:
+            self._post_layers(job, self._num_layers, "at_forward_end")
+        self._jobs = []
 
     def _progress(self) -> tuple[set[str], set[str], set[str]]:
         """Polls both halves and posts what became ready: (finished sending, finished
@@ -354,8 +559,10 @@ class KvxferPushConnector(KVConnectorBase_V1):
                 except kvxfer.KvxferError as e:
                     log.warning("kvxfer push: request %s: send failed: %s", s.req, e)
             status = pre.status(room)
+            if s.sent and status is None:
+                status = _FAILED  # stopped before its room opened: nothing to wait for
             if status in (_FAILED, _SUCCESS):
-                if status == _FAILED:
+                if status == _FAILED and pre.error(room):
                     log.warning("kvxfer push: request %s: %s", s.req, pre.error(room))
                 pre.remove_room(room)
                 del self._send_rooms[room]

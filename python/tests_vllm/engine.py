@@ -56,6 +56,26 @@ def kv_head_hashes(worker: Any) -> dict[int, dict[int, list[str]]]:
     return out
 
 
+def push_layer_posts(worker: Any) -> dict[str, int]:
+    """The worker's KvxferPushConnector layer chunk counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().layer_posts)
+
+
+def push_room_ready(worker: Any, room: int) -> bool:
+    """Whether the worker's KvxferPushConnector prefill has `room`'s destinations."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return bool(get_kv_transfer_group()._prefill.destinations_ready(room))
+
+
+def room_of(request_id: str) -> int:
+    from kvxfer.vllm_push import room_of as room
+
+    return room(request_id)
+
+
 def reply(obj: object) -> None:
     sys.stdout.write("KVX " + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -117,6 +137,12 @@ def main() -> None:
         attention_backend=opts.get("attention_backend"),
         disable_log_stats=False,
         kv_transfer_config=ktc,
+        # Smaller steps split a prompt's prefill over several (chunked prefill).
+        **(
+            {"max_num_batched_tokens": int(opts["max_num_batched_tokens"])}
+            if "max_num_batched_tokens" in opts
+            else {}
+        ),
     )
     engine = llm.llm_engine
     reply({"ready": role})
@@ -147,6 +173,15 @@ def main() -> None:
             continue
         if op == "kv_hashes":
             reply(llm.collective_rpc(kv_hashes)[0])
+            continue
+        if op == "push_room_ready":
+            # Whether every worker's prefill knows the decode's room for request `id`.
+            room = room_of(cmd["id"])
+            reply(all(llm.collective_rpc(push_room_ready, args=(room,))))
+            continue
+        if op == "push_layer_posts":
+            # KvxferPushConnector's layer chunk counters, per worker.
+            reply(llm.collective_rpc(push_layer_posts))
             continue
         if op == "kv_head_hashes":
             reply(llm.collective_rpc(kv_head_hashes))

@@ -21,6 +21,8 @@ from flows import (
 from harness import Engine, free_port
 
 PUSH = ("KvxferPushConnector", "kvxfer.vllm")
+STEP = 64  # the prefill's tokens per step
+LAYERS = 2  # the test model's
 _ids = itertools.count()
 
 
@@ -34,7 +36,16 @@ def push_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
     extra = {"transport": "ucx", "bootstrap_timeout": 3.0}
     with running(
         [
-            Engine("prefill", "0", {**extra, "side_channel_port": port}, logdir, connector=PUSH),
+            # 64-token steps: a long prompt's prefill takes several (chunked prefill), each
+            # streaming the pages it completes layer by layer.
+            Engine(
+                "prefill",
+                "0",
+                {**extra, "side_channel_port": port},
+                logdir,
+                connector=PUSH,
+                opts={"max_num_batched_tokens": STEP},
+            ),
             Engine(
                 "decode", "1", {**extra, "side_channel_port": free_port()}, logdir, connector=PUSH
             ),
@@ -57,10 +68,16 @@ def push_params(port: int, rid: str) -> dict[str, Any]:
 
 
 def handoff(
-    p: Engine, d: Engine, port: int, p_prompts: list[list[int]], d_prompts: list[list[int]]
+    p: Engine,
+    d: Engine,
+    port: int,
+    p_prompts: list[list[int]],
+    d_prompts: list[list[int]],
+    asked_first: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Posts `d_prompts` to the decode first, then `p_prompts` to the prefill under the same
-    ids (as a router does); returns the prefill's and the decode's outputs."""
+    ids (as a router does); returns the prefill's and the decode's outputs. `asked_first`:
+    the prefill gets its requests only once it holds every decode's room."""
     ids = [f"push-{next(_ids)}" for _ in d_prompts]
     d.send(
         {
@@ -72,6 +89,10 @@ def handoff(
             ],
         }
     )
+    deadline = time.monotonic() + 30
+    while asked_first and not all(p.call({"op": "push_room_ready", "id": i}) for i in ids):
+        assert time.monotonic() < deadline, "the decode's rooms never reached the prefill"
+        time.sleep(0.01)
     p_out = p.call(
         {
             "op": "generate",
@@ -154,5 +175,22 @@ def test_a_room_the_prefill_never_gets_the_request_for_fails_at_its_bootstrap_ti
     assert time.monotonic() - start < 30
     # Both go on serving.
     (p_out,), (remote,) = handoff(p, d, port, [x], [x])
+    (local,) = decode(d, [x], [None])
+    assert_same_output(remote, local)
+
+
+def test_layers_are_written_during_the_prefills_forward_pass(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    x = prompt(62, 257)  # five steps: four of 64 tokens (two pages each), then the last one
+    (before,) = p.call({"op": "push_layer_posts"})
+    _, (remote,) = handoff(p, d, port, [x], [x], asked_first=True)
+    (after,) = p.call({"op": "push_layer_posts"})
+    # Each step's completed pages went out one layer at a time as vLLM computed the layer,
+    # not after the step: one post per layer and step, none left for the forward pass's end.
+    steps = -(-len(x) // STEP)
+    assert after["in_forward"] - before["in_forward"] == steps * LAYERS, (before, after)
+    assert after["at_forward_end"] == before["at_forward_end"]
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)
