@@ -57,10 +57,17 @@ from kvxfer.vllm import (
     describe_engine_cache,
     select_transport,
 )
+from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -206,6 +213,7 @@ class KvxferPushConnector(KVConnectorBase_V1):
         # Layer chunks posted while the forward pass ran (from `save_kv_layer`), and those
         # left for its end (`wait_for_save`: layers vLLM did not report).
         self.layer_posts = {"in_forward": 0, "at_forward_end": 0}
+        self._layer_posts_reported = 0
 
     # ---- scheduler side (EngineCore process) ----
 
@@ -615,6 +623,36 @@ class KvxferPushConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Failed loads are reported per request (`failed_recving`), whole.
         return set()
+
+    # ---- statistics (worker -> front end) ----
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._prefill is None or self._decode is None:
+            return None
+        m = {**self._decode.take_metrics()}
+        pre = self._prefill.take_metrics()
+        m.update({k: v for k, v in pre.items() if k != "digest_time"})
+        m["bytes"] = pre.get("kv_bytes", 0)
+        m["digest_time"] = pre.get("digest_time", 0.0) + m.get("digest_time", 0.0)
+        posts = self.layer_posts["in_forward"]
+        m["layer_posts"] = posts - self._layer_posts_reported
+        self._layer_posts_reported = posts
+        stats = KvxferPushStats.from_worker(m)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvxferPushStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KvxferPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for part in (self._prefill, self._decode, self._registry):

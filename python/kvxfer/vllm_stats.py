@@ -1,11 +1,12 @@
-"""KvxferConnector's statistics in vLLM's metrics: the pull worker's counters travel from the
-worker to the front end as `KvxferStats`, are logged as vLLM's periodic `KV Transfer metrics`
-line, and are exported as Prometheus counters (`vllm:kvxfer_*`, per engine)."""
+"""The connectors' statistics in vLLM's metrics: KvxferConnector's pull worker counters
+travel from the worker to the front end as `KvxferStats`, KvxferPushConnector's as
+`KvxferPushStats`; both are logged as vLLM's periodic `KV Transfer metrics` line and exported
+as Prometheus counters (`vllm:kvxfer_*` and `vllm:kvxfer_push_*`, per engine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -49,28 +50,46 @@ COUNTERS: dict[str, str] = {
 }
 
 
+# KvxferPushConnector's counters: its prefill's and decode's `take_metrics()`, and its own.
+PUSH_COUNTERS: dict[str, str] = {
+    "transfers": "KV WRITEs posted by the prefill (per chunk, layer chunk and decode rank)",
+    "bytes": "Bytes the prefill wrote into decodes",
+    "descriptors_posted": "Descriptors posted after coalescing",
+    "post_time": "Seconds the prefill spent planning and posting WRITEs",
+    "layer_posts": "Layer chunks posted while the prefill's forward pass ran",
+    "failed_rooms": "Rooms that failed on the prefill",
+    "registrations": "Decode registrations the prefill received",
+    "forgotten_decodes": "Decodes the prefill forgot (connection failed, or idle)",
+    "verified_rooms": "Rooms whose bytes the decode verified against the prefill's digests",
+    "digest_mismatches": "Rooms failed: bytes the decode received differed from the digests",
+    "digest_time": "Seconds spent digesting pages (prefill and decode)",
+}
+
+
 @dataclass
 class KvxferStats(KVConnectorStats):
     """Counters summed since the last report (what `take_metrics` returned, aggregated)."""
+
+    counters: ClassVar[dict[str, str]] = COUNTERS
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(COUNTERS, 0)
+        self.data = dict.fromkeys(self.counters, 0)
 
     @classmethod
     def from_worker(cls, metrics: dict[str, Any]) -> KvxferStats:
-        return cls(data={k: metrics.get(k, 0) for k in COUNTERS})
+        return cls(data={k: metrics.get(k, 0) for k in cls.counters})
 
     def aggregate(self, other: KVConnectorStats) -> KvxferStats:
-        for k in COUNTERS:
+        for k in self.counters:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in COUNTERS)
+        return not any(self.data.get(k, 0) for k in self.counters)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -101,8 +120,30 @@ class KvxferStats(KVConnectorStats):
         }
 
 
+@dataclass
+class KvxferPushStats(KvxferStats):
+    """KvxferPushConnector's counters summed since the last report."""
+
+    counters: ClassVar[dict[str, str]] = PUSH_COUNTERS
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        return {
+            "writes": d.get("transfers", 0),
+            "MB": round(d.get("bytes", 0) / 1e6, 3),
+            "layer_posts": d.get("layer_posts", 0),
+            "failed_rooms": d.get("failed_rooms", 0),
+            "registrations": d.get("registrations", 0),
+            "verified_rooms": d.get("verified_rooms", 0),
+            "digest_mismatches": d.get("digest_mismatches", 0),
+        }
+
+
 class KvxferPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per kvxfer counter, labelled per engine like vLLM's own."""
+
+    counters: ClassVar[dict[str, str]] = COUNTERS
+    prefix: ClassVar[str] = "vllm:kvxfer_"
 
     def __init__(
         self,
@@ -115,13 +156,13 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         self._counters = {
             k: create_metric_per_engine(
                 self._counter_cls(
-                    name=f"vllm:kvxfer_{_prom_name(k)}",
+                    name=f"{self.prefix}{_prom_name(k)}",
                     documentation=doc,
                     labelnames=labelnames,
                 ),
                 per_engine_labelvalues,
             )
-            for k, doc in COUNTERS.items()
+            for k, doc in self.counters.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -129,6 +170,13 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             v = transfer_stats_data.get(k, 0)
             if v:
                 per_engine[engine_idx].inc(v)
+
+
+class KvxferPushPromMetrics(KvxferPromMetrics):
+    """KvxferPushConnector's counters as Prometheus counters (`vllm:kvxfer_push_*`)."""
+
+    counters: ClassVar[dict[str, str]] = PUSH_COUNTERS
+    prefix: ClassVar[str] = "vllm:kvxfer_push_"
 
 
 def _prom_name(key: str) -> str:

@@ -113,6 +113,7 @@ def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
     x = prompt(41, 100)  # not a multiple of the block size: the last block is partial
     before = d.call({"op": "kv_hashes"})
     external = d.call({"op": "external_tokens"})
+    metrics = push_metrics(p)
     (p_out,), (remote,) = handoff(p, d, port, [x], [x])
     written = p_out["params"]["remote_block_ids"]
     assert len(written) == 4, p_out["params"]
@@ -124,6 +125,25 @@ def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
     assert_blocks_arrived(p_blocks, before, after, written[: len(x) // BLOCK])
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)
+    # The connector's counters reach vLLM's metrics: 4 blocks × 2 layers × 32 KiB written.
+    deadline = time.monotonic() + 30
+    while (
+        push_metrics(p).get("vllm:kvxfer_push_bytes", 0) - metrics.get("vllm:kvxfer_push_bytes", 0)
+        < 4 * LAYERS * 32 * 1024
+    ):
+        assert time.monotonic() < deadline, (metrics, push_metrics(p))
+        time.sleep(0.1)
+    now = push_metrics(p)
+    assert now["vllm:kvxfer_push_bytes"] - metrics.get("vllm:kvxfer_push_bytes", 0) == (
+        4 * LAYERS * 32 * 1024
+    )
+    assert now.get("vllm:kvxfer_push_failed_rooms", 0) == metrics.get(
+        "vllm:kvxfer_push_failed_rooms", 0
+    )
+
+
+def push_metrics(e: Engine) -> dict[str, float]:
+    return e.call({"op": "metrics", "prefix": "vllm:kvxfer_push_"})
 
 
 def test_kv_of_another_prompt_changes_the_output(
