@@ -74,6 +74,7 @@ def handoff(
     p_prompts: list[list[int]],
     d_prompts: list[list[int]],
     asked_first: bool = False,
+    timeout: float = 120,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Posts `d_prompts` to the decode first, then `p_prompts` to the prefill under the same
     ids (as a router does); returns the prefill's and the decode's outputs. `asked_first`:
@@ -89,7 +90,7 @@ def handoff(
             ],
         }
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while asked_first and not all(p.call({"op": "push_room_ready", "id": i}) for i in ids):
         assert time.monotonic() < deadline, "the decode's rooms never reached the prefill"
         time.sleep(0.01)
@@ -101,9 +102,10 @@ def handoff(
                 {"id": i, "prompt": x, "params": {"do_remote_decode": True}}
                 for i, x in zip(ids, p_prompts, strict=True)
             ],
-        }
+        },
+        timeout=timeout,
     )
-    return p_out, d.wait(120)
+    return p_out, d.wait(timeout)
 
 
 def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
