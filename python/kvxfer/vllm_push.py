@@ -584,7 +584,14 @@ class KvxferPushConnector(KVConnectorBase_V1):
                     # A prefill rank may still write into these blocks: vLLM frees them
                     # with this report, so it waits until every rank stopped.
                     continue
-                log.warning("kvxfer push: load of %s failed: %s", rid, dec.error(room))
+                error = dec.error(room) or "no room opened"
+                if "handshake reply" in error or "registry" in error:
+                    # What answers at remote_host:remote_port is no kvxfer push registry.
+                    error += (
+                        " (the prefill named by remote_host/remote_port must run "
+                        "KvxferPushConnector: vLLM's NixlPushConnector does not pair with it)"
+                    )
+                log.warning("kvxfer push: load of %s failed: %s", rid, error)
                 # vLLM's way for a failed asynchronous load: in both sets.
                 recving.add(rid)
                 failed.add(rid)
