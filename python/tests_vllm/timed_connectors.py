@@ -1,5 +1,6 @@
 """Benchmark instrumentation, loaded by vLLM as the KV connector module: vLLM's own
-NixlConnector and kvxfer's KvxferConnector, unchanged, with every connector call measured.
+NixlConnector and NixlPushConnector and kvxfer's KvxferConnector and KvxferPushConnector,
+unchanged, with every connector call measured.
 
 Measured per engine process (scheduler and worker halves share it on CPU with TP 1):
 - `in_calls_ns`: CPU time of the calling thread inside connector methods (outermost call only,
@@ -202,4 +203,12 @@ def __getattr__(name: str) -> type:
         from kvxfer.vllm import KvxferConnector
 
         return instrument(KvxferConnector)
+    if name == "NixlPushConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector
+
+        return instrument(NixlPushConnector)
+    if name == "KvxferPushConnector":
+        from kvxfer.vllm import KvxferPushConnector
+
+        return instrument(KvxferPushConnector)
     raise AttributeError(name)
