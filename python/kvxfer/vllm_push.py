@@ -58,6 +58,7 @@ from kvxfer.vllm import (
     select_transport,
 )
 from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats
+from kvxfer.vllm_streams import StepPages, Stop, StreamPlan, pages_for
 
 if TYPE_CHECKING:
     import torch
@@ -87,11 +88,6 @@ def room_of(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def pages_for(tokens: int, block_size: int) -> int:
-    """Blocks holding `tokens` tokens."""
-    return -(-tokens // block_size)
-
-
 @dataclass
 class PushStepMetadata(KVConnectorMetadata):
     """One scheduler step for the workers. `open`: decode rooms to open (request, room,
@@ -99,27 +95,16 @@ class PushStepMetadata(KVConnectorMetadata):
     `send`: prefill rooms to write, or whose streaming ended (request, room, the prefill's
     blocks); `abort`: decode rooms whose request ended first (request, room); `stream`: the
     pages prefill requests complete in this step, streamed layer by layer; `stop`: prefill
-    rooms whose request ended without handing off (request, room); `idle`: the step
-    scheduled no token."""
+    rooms to abort (request, room, whether the request ended: its blocks are reported once
+    the room stopped; a preempted one runs on); `idle`: the step scheduled no token."""
 
     open: list[tuple[str, int, str, int, list[int], int]] = field(default_factory=list)
     send: list[tuple[str, int, list[int]]] = field(default_factory=list)
     abort: list[tuple[str, int]] = field(default_factory=list)
-    stream: list[_StepPages] = field(default_factory=list)
-    stop: list[tuple[str, int]] = field(default_factory=list)
+    stream: list[StepPages] = field(default_factory=list)
+    stop: list[Stop] = field(default_factory=list)
     idle: bool = False
     taken: bool = False  # a worker took it (vLLM may bind one step's metadata twice)
-
-
-@dataclass
-class _StepPages:
-    """The prompt pages a prefill request completes in this step (in prompt order, after
-    those of earlier steps), of its `total`, for streaming them layer by layer."""
-
-    req: str
-    room: int
-    pages: list[int]
-    total: int
 
 
 @dataclass
@@ -192,12 +177,11 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self._abort: list[tuple[str, int]] = []
         self._receiving: dict[str, int] = {}  # decode requests waiting for their room
         self._sending: set[str] = set()  # requests whose blocks wait for a room to end
-        self._stop: list[tuple[str, int]] = []
-        # Layer-by-layer streaming (prefill): a request's blocks so far and the prompt pages
-        # already handed to the workers.
+        self._stop: list[Stop] = []
+        # Layer-by-layer streaming (prefill): which requests stream, how far each got.
         self._layerwise = _flag(extra, "layerwise", True)
         self._layerwise_min_tokens = int(extra.get("layerwise_min_tokens", 0))
-        self._streaming: dict[str, tuple[int, int, list[int], int]] = {}
+        self._streams_plan = StreamPlan(self._block_size)
         # Worker side.
         self._registry: kvxfer.PushRegistry | None = None
         self._prefill: kvxfer.PushPrefill | None = None
@@ -236,10 +220,8 @@ class KvxferPushConnector(KVConnectorBase_V1):
             and params.get("do_remote_decode")
             and self._layerwise
             and prompt >= max(1, self._layerwise_min_tokens)
-            and request.request_id not in self._streaming
         ):
-            # (room, prompt tokens, blocks so far, pages handed to the workers)
-            self._streaming[request.request_id] = (room_of(request.request_id), prompt, [], 0)
+            self._streams_plan.track(request.request_id, room_of(request.request_id), prompt)
         if not params or not params.get("do_remote_prefill"):
             return
         # Once: a preempted request scheduled again computes its prompt itself.
@@ -281,12 +263,10 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self._open, self._send, self._abort, self._stop = [], [], [], []
         return meta
 
-    def _stream_pages(self, out: SchedulerOutput) -> list[_StepPages]:
-        """The prompt pages each streaming prefill request completes in this step (a page
-        is complete once its last token, or the prompt's last, is computed)."""
-        if not self._streaming:
+    def _stream_pages(self, out: SchedulerOutput) -> list[StepPages]:
+        """The prompt pages each streaming prefill request completes in this step."""
+        if not self._streams_plan:
             return []
-        steps: list[_StepPages] = []
         scheduled: list[tuple[str, list[int] | None, int, bool]] = [
             (r.req_id, list(r.block_ids[0]), r.num_computed_tokens, True)
             for r in out.scheduled_new_reqs
@@ -298,24 +278,14 @@ class KvxferPushConnector(KVConnectorBase_V1):
             scheduled.append(
                 (rid, None if new is None else list(new[0]), cached.num_computed_tokens[i], resumed)
             )
+        steps: list[StepPages] = []
         for rid, blocks, computed, fresh in scheduled:
-            entry = self._streaming.get(rid)
-            if entry is None:
-                continue
-            room, prompt, held, handed = entry
-            if fresh and handed:
-                # Preempted and scheduled again with new blocks: pages already streamed
-                # cannot be taken back, so the room ends here.
-                del self._streaming[rid]
-                self._stop.append((rid, room))
-                continue
-            held = (held if not fresh else []) + (blocks or [])
-            end = computed + out.num_scheduled_tokens.get(rid, 0)
-            total = pages_for(prompt, self._block_size)
-            done = total if end >= prompt else end // self._block_size
-            if done > handed:
-                steps.append(_StepPages(rid, room, held[handed:done], total))
-            self._streaming[rid] = (room, prompt, held, max(done, handed))
+            n = out.num_scheduled_tokens.get(rid, 0)
+            got = self._streams_plan.step(rid, blocks, computed, n, fresh)
+            if isinstance(got, Stop):
+                self._stop.append(got)
+            elif got is not None:
+                steps.append(got)
         return steps
 
     def request_finished(
@@ -330,12 +300,14 @@ class KvxferPushConnector(KVConnectorBase_V1):
             self._sending.add(rid)
             return True, None
         params = request.kv_transfer_params
-        streamed = self._streaming.pop(rid, None)
-        if streamed is not None and streamed[3] > 0 and request.status not in _HANDED_OFF:
+        may_hand_off, stop = self._streams_plan.finished(rid, request.status in _HANDED_OFF)
+        if stop is not None:
             # Ended while its pages were streaming: the room stops, the blocks wait for it.
-            self._stop.append((rid, streamed[0]))
+            self._stop.append(stop)
             self._sending.add(rid)
             return True, None
+        if not may_hand_off:
+            return False, None  # its stream was cut (preempted): its decode's request failed
         if not params or not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
             return False, None
         n = pages_for(len(request.prompt_token_ids or []), self._block_size)
@@ -457,11 +429,13 @@ class KvxferPushConnector(KVConnectorBase_V1):
                 log.warning("kvxfer push: request %s: room refused: %s", rid, e)
                 self._recv_rooms[room] = (rid, [])
         now = time.monotonic()
-        for rid, room in meta.stop:
-            self._streams.pop(room, None)
-            if self._prefill.status(room) is not None:
-                self._prefill.abort(room)
-            self._send_rooms[room] = _Send(rid, [], now, sent=True)
+        for stop in meta.stop:
+            self._streams.pop(stop.room, None)
+            if self._prefill.status(stop.room) is not None:
+                self._prefill.abort(stop.room)
+            if stop.ended:
+                # The request ended: its blocks go back once the room stopped.
+                self._send_rooms[stop.room] = _Send(stop.req, [], now, sent=True)
         for sp in meta.stream:
             self._stream_step(sp)
         for rid, room, pages in meta.send:
@@ -475,7 +449,7 @@ class KvxferPushConnector(KVConnectorBase_V1):
                 self._decode.abort(room)
                 self._drain_rooms[room] = rid
 
-    def _stream_step(self, sp: _StepPages) -> None:
+    def _stream_step(self, sp: StepPages) -> None:
         """Sets up this step's layer posts of `sp`. A room starts streaming at the first
         step its decode has asked by: the pages earlier steps completed go whole first."""
         assert self._prefill is not None
