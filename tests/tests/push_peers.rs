@@ -342,6 +342,9 @@ fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
     );
     let mut page = base("pn7-page");
     page.layout.tokens_per_block += 1;
+    // A multiple pairs in pull mode (token ranges); a push room's pages must match.
+    let mut page_multiple = base("pn7-page-multiple");
+    page_multiple.layout.tokens_per_block *= 2;
     let mut dtype = base("pn7-dtype");
     dtype.layout.dtype = if dtype.layout.dtype == "f32" {
         "f16"
@@ -363,6 +366,7 @@ fn registrations_that_do_not_fit_are_refused_one_difference_at_a_time() {
     layers.layout.total_layers += 1;
     for (what, args) in [
         ("page size", page),
+        ("page size, a multiple", page_multiple),
         ("dtype", dtype),
         ("aux count", aux_count),
         ("aux item length", aux_len),
