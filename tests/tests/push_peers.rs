@@ -290,6 +290,52 @@ fn a_room_waits_for_every_pipeline_stage() {
         .expect("both stages' layers");
 }
 
+/// Layer chunks name layers the rank holds, of a cache that keeps layers apart: an empty
+/// range, one past its layers and a cross-layer cache (every layer in each block) are
+/// refused, and the room is untouched by them; a valid layer chunk then goes out.
+#[test]
+fn layer_chunks_outside_the_ranks_layers_or_of_a_cross_layer_cache_are_refused() {
+    let (mut pre, mut dec) = waiting_room("pn8");
+    let layers = pre.ranks[0].rank_info().num_layers;
+    for bad in [0..0, layers..layers + 1, 0..layers + 1] {
+        assert!(
+            pre.ranks[0].send_layers(1, &[3], bad.clone(), true).is_err(),
+            "{bad:?} of {layers} layers"
+        );
+    }
+    assert_eq!(pre.ranks[0].status(1), Some(RoomStatus::WaitingForInput));
+    pre.ranks[0]
+        .send_layers(1, &[3], 0..1, false)
+        .expect("the first layer");
+    pre.ranks[0]
+        .send_layers(1, &[3], 1..layers, true)
+        .expect("the others");
+    poll_until(&mut pre, &mut dec, |_, dec| {
+        dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
+    });
+    assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
+    dec.mem[0].kv.verify(&[(3, 5)]).expect("both chunks' layers");
+
+    let mut cross = Model::small(BlockOrder::Hnd, 4);
+    cross.kind = kvxfer_layout::CacheKind::CrossLayer;
+    let s = Setup::new(cross, 1, 1);
+    let c = clock();
+    let mut pre = prefill(&s, "pn8x", Arc::clone(&c), None, None);
+    let mut dec = decode(&s, "pn8x", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room(1, ("127.0.0.1", port), vec![5], None, vec![]);
+    pre.ranks[0].add_room(1, 1, None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].status(1) == Some(RoomStatus::WaitingForInput)
+    });
+    let refused = pre.ranks[0].send_layers(1, &[3], 0..1, true);
+    assert!(
+        refused.is_err_and(|e| e.to_string().contains("cross-layer")),
+        "a cross-layer cache sends whole pages"
+    );
+    pre.ranks[0].send(1, &[3]).expect("whole pages");
+}
+
 /// Registers `args` with the waiting room's prefill rank 0 through its mailbox and waits
 /// until its engine poll has handled it; returns whether it was refused. A registration
 /// that does not pair is refused in the mailbox's reply, naming why, and counted.
