@@ -299,7 +299,9 @@ fn layer_chunks_outside_the_ranks_layers_or_of_a_cross_layer_cache_are_refused()
     let layers = pre.ranks[0].rank_info().num_layers;
     for bad in [0..0, layers..layers + 1, 0..layers + 1] {
         assert!(
-            pre.ranks[0].send_layers(1, &[3], bad.clone(), true).is_err(),
+            pre.ranks[0]
+                .send_layers(1, &[3], bad.clone(), true)
+                .is_err(),
             "{bad:?} of {layers} layers"
         );
     }
@@ -314,7 +316,10 @@ fn layer_chunks_outside_the_ranks_layers_or_of_a_cross_layer_cache_are_refused()
         dec.ranks[0].status(1).is_some_and(RoomStatus::is_final)
     });
     assert_eq!(dec.ranks[0].status(1), Some(RoomStatus::Success));
-    dec.mem[0].kv.verify(&[(3, 5)]).expect("both chunks' layers");
+    dec.mem[0]
+        .kv
+        .verify(&[(3, 5)])
+        .expect("both chunks' layers");
 
     let mut cross = Model::small(BlockOrder::Hnd, 4);
     cross.kind = kvxfer_layout::CacheKind::CrossLayer;
