@@ -22,7 +22,7 @@ def test_each_decode_rank_pulls_its_own_heads_and_the_output_equals_a_local_run(
     external = d.call({"op": "external_tokens"})
     (params,) = prefill(p, [x])
     (p_heads,) = p.call({"op": "kv_head_hashes"})
-    (remote,) = decode(d, [x], [params], timeout=400)
+    (remote,) = decode(d, [x], [params], timeout=500)
     # The decode did not compute the prompt: every token came through the connector.
     assert d.call({"op": "external_tokens"}) - external == len(x)
     after: list[HeadHashes] = d.call({"op": "kv_head_hashes"})
@@ -40,5 +40,5 @@ def test_each_decode_rank_pulls_its_own_heads_and_the_output_equals_a_local_run(
     now = kvxfer_metrics(d)
     assert now["vllm:kvxfer_handshakes"] - metrics.get("vllm:kvxfer_handshakes", 0) == 2
     assert now.get("vllm:kvxfer_failed_transfers", 0) == 0
-    (local,) = decode(d, [x], [None], timeout=400)
+    (local,) = decode(d, [x], [None], timeout=500)
     assert_same_output(remote, local)
