@@ -7,7 +7,7 @@ use kvxfer_layout::{CacheSide, CacheSpec, SideLayout, TpMapping, check_compatibl
 
 use super::{Decode, PushPrefill, lock};
 use crate::push::buffers::{PushBuffers, StateKind};
-use crate::push::messages::{self, RegisterArgs, RoomRequest};
+use crate::push::messages::{self, BufferWire, RegisterArgs, RoomRequest};
 use crate::tally::Tally;
 use crate::transport::{MemoryKind, Transport};
 
@@ -54,22 +54,10 @@ pub(super) fn check_registration(
                 all.join("; ")
             )
         })?;
-    if args.aux.len() != bufs.aux.len()
-        || args
-            .aux
-            .iter()
-            .zip(&bufs.aux)
-            .any(|(a, b)| a.item_len != b.item_len)
-    {
+    if !same_items(&args.aux, &bufs.aux) {
         return Err("aux buffers differ in count or item length".into());
     }
-    if args.state.len() != bufs.state.len()
-        || args
-            .state
-            .iter()
-            .zip(&bufs.state)
-            .any(|(a, b)| a.item_len != b.item_len)
-    {
+    if !same_items(&args.state, &bufs.state) {
         return Err("state buffers differ in count or item length".into());
     }
     // Item addresses are computed from these numbers for every WRITE: none may wrap.
@@ -87,6 +75,16 @@ pub(super) fn check_registration(
     let mapping =
         TpMapping::new(tp_size, args.tp_size, kv.sharding()).map_err(|e| e.to_string())?;
     Ok((spec, mapping))
+}
+
+/// Whether two lists of buffers hold as many buffers, each with items of the same length:
+/// a WRITE copies one item of ours into one of theirs.
+fn same_items(theirs: &[BufferWire], ours: &[BufferWire]) -> bool {
+    theirs.len() == ours.len()
+        && theirs
+            .iter()
+            .zip(ours)
+            .all(|(a, b)| a.item_len == b.item_len)
 }
 
 impl<T: Transport> PushPrefill<T> {
@@ -209,6 +207,145 @@ fn digest_refusal(req: &RoomRequest, memory: MemoryKind) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pull::KvCache;
+    use crate::wire::handshake::LayoutWire;
+    use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, Dtype};
+
+    /// A split-K/V cache of `kv_heads` heads per rank and 2 layers, pages of `tokens` tokens.
+    fn spec(kv_heads: u32, tokens: u32, dtype: Dtype) -> CacheSpec {
+        CacheSpec::new(CacheParams {
+            kind: CacheKind::SplitKv,
+            order: BlockOrder::Hnd,
+            dtype,
+            num_layers: 2,
+            kv_heads,
+            head_dim: 8,
+            tokens_per_block: tokens,
+            num_blocks: 4,
+        })
+        .expect("spec")
+    }
+
+    fn buf(base: u64, item_len: u64, items: u32) -> BufferWire {
+        BufferWire {
+            base,
+            item_len,
+            items,
+        }
+    }
+
+    /// A prefill rank of a TP 2 prefill: 2 of the model's 4 KV heads, 2 layers, pages of 16
+    /// tokens, one aux buffer of 32-byte items and one state buffer of 64-byte items.
+    fn prefill_bufs() -> PushBuffers {
+        let spec = spec(2, 16, Dtype::F16);
+        PushBuffers {
+            kv: KvCache {
+                spec,
+                bases: (1..=u64::from(spec.num_regions()))
+                    .map(|r| r << 32)
+                    .collect(),
+                memory: MemoryKind::Host,
+                total_kv_heads: 4,
+                total_layers: 2,
+                first_layer: 0,
+                layer_windows: None,
+                groups: None,
+            },
+            aux: vec![buf(0x1000, 32, 8)],
+            state: vec![buf(0x2000, 64, 8)],
+            state_kind: StateKind::None,
+        }
+    }
+
+    /// A TP 1 decode whose cache pairs with `prefill_bufs`: all 4 heads, the same pages.
+    fn decode_args() -> RegisterArgs {
+        let spec = spec(4, 16, Dtype::F16);
+        RegisterArgs {
+            agent: "d0".into(),
+            agent_metadata: Vec::new(),
+            layout: LayoutWire::from_spec(&spec, 4, 2, 0),
+            kv_bases: (1..=u64::from(spec.num_regions()))
+                .map(|r| r << 36)
+                .collect(),
+            aux: vec![buf(0x8000, 32, 4)],
+            state: vec![buf(0x9000, 64, 4)],
+            tp_size: 1,
+            tp_rank: 0,
+            reregisters: false,
+        }
+    }
+
+    fn refusal(args: &RegisterArgs) -> String {
+        match check_registration(&prefill_bufs(), 2, args) {
+            Ok(_) => panic!("accepted: {args:?}"),
+            Err(e) => e,
+        }
+    }
+
+    /// A decode whose cache pairs with this rank's is accepted, with its cache and the TP
+    /// mapping from this prefill's 2 ranks to its 1.
+    #[test]
+    fn a_decode_that_pairs_is_accepted_with_its_cache_and_mapping() {
+        let args = decode_args();
+        let (spec, mapping) = check_registration(&prefill_bufs(), 2, &args).expect("pairs");
+        assert_eq!(spec, args.layout.to_spec().expect("spec"));
+        assert_eq!(
+            mapping,
+            TpMapping::new(2, 1, prefill_bufs().kv.sharding()).expect("mapping")
+        );
+    }
+
+    /// Every way a registration can fail to pair is refused, each naming why.
+    #[test]
+    fn a_registration_that_does_not_pair_is_refused_naming_why() {
+        let with = |f: &dyn Fn(&mut RegisterArgs)| {
+            let mut a = decode_args();
+            f(&mut a);
+            a
+        };
+        let page = with(&|a| a.layout = LayoutWire::from_spec(&spec(4, 32, Dtype::F16), 4, 2, 0));
+        assert!(refusal(&page).contains("page size or dtype differ"));
+        let dtype = with(&|a| a.layout = LayoutWire::from_spec(&spec(4, 16, Dtype::Bf16), 4, 2, 0));
+        assert!(refusal(&dtype).contains("page size or dtype differ"));
+        let bases = with(&|a| {
+            a.kv_bases.pop();
+        });
+        assert!(refusal(&bases).contains("region base addresses"));
+        let heads = with(&|a| a.layout = LayoutWire::from_spec(&spec(4, 16, Dtype::F16), 8, 2, 0));
+        assert!(refusal(&heads).contains("does not pair"));
+        let layers = with(&|a| a.layout = LayoutWire::from_spec(&spec(4, 16, Dtype::F16), 4, 3, 0));
+        assert!(refusal(&layers).contains("does not pair"));
+        for (f, what) in [
+            (
+                &(|a: &mut RegisterArgs| a.aux.clear()) as &dyn Fn(&mut RegisterArgs),
+                "aux",
+            ),
+            (&|a: &mut RegisterArgs| a.aux[0].item_len = 16, "aux"),
+            (
+                &|a: &mut RegisterArgs| a.state.push(buf(0xa000, 64, 1)),
+                "state",
+            ),
+            (&|a: &mut RegisterArgs| a.state[0].item_len = 65, "state"),
+        ] {
+            let e = refusal(&with(f));
+            assert!(
+                e.starts_with(what) && e.contains("count or item length"),
+                "{e}"
+            );
+        }
+        for f in [
+            &(|a: &mut RegisterArgs| a.aux[0].base = u64::MAX - 64) as &dyn Fn(&mut RegisterArgs),
+            &|a: &mut RegisterArgs| a.state[0].base = u64::MAX - 64,
+        ] {
+            assert!(refusal(&with(f)).contains("overflows the address space"));
+        }
+        // Heads that do not split between 2 prefill ranks and 3 decode ranks.
+        let tp = with(&|a| {
+            a.layout = LayoutWire::from_spec(&spec(4, 16, Dtype::F16), 4, 2, 0);
+            a.tp_size = 3;
+        });
+        refusal(&tp);
+    }
 
     #[test]
     fn only_a_room_with_pages_asking_digests_of_gpu_memory_is_refused() {
