@@ -66,15 +66,12 @@ import kvxfer
 import kvxfer.nixl
 import kvxfer.ucx
 from kvxfer.vllm_compat import compat_json
-from kvxfer.vllm_stats import KvxferPromMetrics, KvxferStats
+from kvxfer.vllm_stats import KvxferStats, StatsHooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
         KVConnectorStats,
-        PromMetric,
-        PromMetricT,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -482,7 +479,7 @@ def remote_blocks(groups: list[list[int]] | list[int], drop: int) -> list[list[i
     return [g[: len(g) - drop] if drop else g for g in held]
 
 
-class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvxfer's pull connector (UCX or NIXL underneath)."""
 
     def __init__(
@@ -933,20 +930,6 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         stats = KvxferStats.from_worker(self._worker.take_metrics())
         return None if stats.is_empty() else stats
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        return KvxferStats(data=dict(data) if data else {})
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics:
-        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for part in (self._fleet, self._registration):

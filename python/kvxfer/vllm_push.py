@@ -57,17 +57,14 @@ from kvxfer.vllm import (
     describe_engine_cache,
     select_transport,
 )
-from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats
+from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats, StatsHooks
 from kvxfer.vllm_streams import StepPages, Stop, StreamPlan, pages_for
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
         KVConnectorStats,
-        PromMetric,
-        PromMetricT,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -140,8 +137,11 @@ class _Send:
     sent: bool = False
 
 
-class KvxferPushConnector(KVConnectorBase_V1):
+class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
     """vLLM KV connector for the push flow (the decode asks, the prefill WRITEs)."""
+
+    stats_class = KvxferPushStats
+    prom_class = KvxferPushPromMetrics
 
     def __init__(
         self,
@@ -228,7 +228,6 @@ class KvxferPushConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             return
-        prompt = len(request.prompt_token_ids or [])
         cached = prompt - num_external_tokens
         ids = _held(list(blocks.get_unhashed_block_ids_all_groups()[0]))
         # The blocks of the tokens the prefill writes: those past the ones cached here.
@@ -620,20 +619,6 @@ class KvxferPushConnector(KVConnectorBase_V1):
         self._layer_posts_reported = posts
         stats = KvxferPushStats.from_worker(m)
         return None if stats.is_empty() else stats
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        return KvxferPushStats(data=dict(data) if data else {})
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics:
-        return KvxferPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for part in (self._prefill, self._decode, self._registry):

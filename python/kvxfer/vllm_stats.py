@@ -179,6 +179,28 @@ class KvxferPushPromMetrics(KvxferPromMetrics):
     prefix: ClassVar[str] = "vllm:kvxfer_push_"
 
 
+class StatsHooks:
+    """vLLM's two class-level stats hooks of a connector, building the classes it names
+    (a connector lists this before `KVConnectorBase_V1`, whose hooks build nothing)."""
+
+    stats_class: ClassVar[type[KvxferStats]] = KvxferStats
+    prom_class: ClassVar[type[KvxferPromMetrics]] = KvxferPromMetrics
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return cls.stats_class(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return cls.prom_class(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
 def _prom_name(key: str) -> str:
     """`transfer_time` -> `transfer_seconds` (Prometheus names carry their unit)."""
     return key.removesuffix("_time") + "_seconds" if key.endswith("_time") else key
