@@ -196,15 +196,39 @@ def summarize(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(doc: str, batches: int, kv_cache_gib: int) -> argparse.ArgumentParser:
+    """The options both vLLM benchmarks share: the model, prompts and batches, the engines'
+    KV cache, where the JSON goes, and `--smoke` (see `parse_workload`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--model", type=Path, default=MODELS / "llama8b-kv")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=batches)
+    ap.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 × 100 tokens, 1 batch")
+    return ap
+
+
+def parse_workload(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses the command line; `--smoke` replaces the workload by the tiny model's."""
+    a = ap.parse_args()
+    if a.smoke:
+        a.model, a.dtype, a.prompt_len, a.requests, a.batches = (
+            MODELS / "tiny-llama",
+            "float32",
+            100,
+            2,
+            1,
+        )
+        a.kv_cache_gib = 1
+    return a
+
+
+def main() -> int:
+    ap = workload_parser(__doc__, batches=5, kv_cache_gib=2)
     ap.add_argument("--transport", default="ucx", choices=["ucx", "nixl"])
-    ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument(
         "--kvxfer-ucx-tls",
         help="UCX_TLS for kvxfer's engines, e.g. sm,self (NIXL's UCX refuses sm,self: it "
@@ -216,18 +240,7 @@ def main() -> int:
         help="the UCX kvxfer's engines open (extra-config ucx_library): auto (a NIXL wheel's "
         "bundled UCX when installed), system, nixl, or a path",
     )
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 × 100 tokens, 1 batch")
-    a = ap.parse_args()
-    if a.smoke:
-        a.model, a.dtype, a.prompt_len, a.requests, a.batches = (
-            MODELS / "tiny-llama",
-            "float32",
-            100,
-            2,
-            1,
-        )
-        a.kv_cache_gib = 1
+    a = parse_workload(ap)
     a.bytes_per_token = kv_bytes_per_token(a.model, 2 if a.dtype == "bfloat16" else 4)
     logdir = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-"))
     print(f"engine logs: {logdir}", file=sys.stderr)

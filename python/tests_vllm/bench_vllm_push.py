@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_vllm import kv_bytes_per_token, loaded_at, pct
+from bench_vllm import kv_bytes_per_token, loaded_at, parse_workload, pct, workload_parser
 from flows import prompt
-from harness import MODELS, Engine, free_port, start
+from harness import Engine, free_port, start
 from timed_connectors import collect
 
 # name -> (connector class in timed_connectors, flow, extra config)
@@ -183,26 +183,9 @@ def summarize(r: dict[str, Any]) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=MODELS / "llama8b-kv")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=3)
-    ap.add_argument("--kv-cache-gib", type=int, default=3)
+    ap = workload_parser(__doc__, batches=3, kv_cache_gib=3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which, comma-separated")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 × 100 tokens, 1 batch")
-    a = ap.parse_args()
-    if a.smoke:
-        a.model, a.dtype, a.prompt_len, a.requests, a.batches = (
-            MODELS / "tiny-llama",
-            "float32",
-            100,
-            2,
-            1,
-        )
-        a.kv_cache_gib = 1
+    a = parse_workload(ap)
     names = a.configs.split(",")
     logdir = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-push-"))
     print(f"engine logs: {logdir}", file=sys.stderr)
