@@ -4,13 +4,14 @@ a JSON command per line in, one `KVX {json}` line per reply out (vLLM's own logs
 Commands: {"op": "generate", "requests": [{"prompt": [ids], "params": dict|null}],
 "max_tokens": N} -> per request token ids, logprobs of the chosen tokens, the returned
 kv_transfer_params, the finish reason, vLLM's id for it, and the monotonic clock when it was
-submitted and when its first token came; {"op": "external_tokens"} -> vLLM's count of prompt
-tokens loaded through the connector; {"op": "kv_hashes"} -> per layer, sha256 of every non-zero
-KV block, read from vLLM's own cache tensors in the worker; {"op": "kv_head_hashes"} -> per TP
-rank, per layer, per non-zero block, sha256 of each KV head's slice of the block (vLLM's CPU
-cache: [blocks, kv_heads, block_size, 2 * head_size]); {"op": "metrics", "prefix": P} ->
-vLLM's metrics named P..., summed over their labels; {"op": "reset_prefix_cache"};
-{"op": "quit"}.
+submitted and when its first token came (a request may carry "on_transferring": "abort" or
+"report", acted on once its push room is being written); {"op": "external_tokens"} -> vLLM's
+count of prompt tokens loaded through the connector; {"op": "kv_hashes"} -> per layer, sha256
+of every non-zero KV block, read from vLLM's own cache tensors in the worker; {"op":
+"kv_head_hashes"} -> per TP rank, per layer, per non-zero block, sha256 of each KV head's slice
+of the block (vLLM's CPU cache: [blocks, kv_heads, block_size, 2 * head_size]); {"op":
+"metrics", "prefix": P} -> vLLM's metrics named P..., summed over their labels; {"op":
+"reset_prefix_cache"}; {"op": "quit"}.
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
 `dtype` (float32), `kv_cache_dtype` (auto), `block_size` (32), `prefix_caching` (false),
 `max_model_len` (1024), `max_num_seqs` (8), `tp` (tensor parallel size, 1), `attention_backend`
@@ -68,6 +69,18 @@ def push_room_ready(worker: Any, room: int) -> bool:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return bool(get_kv_transfer_group()._prefill.destinations_ready(room))
+
+
+def push_decode_status(worker: Any, room: int) -> int | None:
+    """The worker's KvxferPushConnector decode status of `room` (kvxfer's RoomStatus: 3 is
+    Transferring, some layer of it written and not all), or None when unknown."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    decode = get_kv_transfer_group()._decode
+    return None if decode is None else decode.status(room)
+
+
+TRANSFERRING = 3
 
 
 def room_of(request_id: str) -> int:
@@ -190,6 +203,10 @@ def main() -> None:
             reply(llm.reset_prefix_cache())
             continue
         ids, submitted = [], {}
+        # Requests to act on once their push room is Transferring (the prefill's WRITEs have
+        # begun and not ended): "abort" aborts the request then, "report" replies
+        # {"transferring": id} at once (before the command's own reply).
+        watch: dict[str, str] = {}
         for r in cmd["requests"]:
             extra = {"kv_transfer_params": r["params"]} if r.get("params") is not None else None
             sp = SamplingParams(
@@ -206,9 +223,21 @@ def main() -> None:
             submitted[rid] = time.monotonic()
             engine.add_request(rid, TokensPrompt(prompt_token_ids=r["prompt"]), sp)
             ids.append(rid)
+            if r.get("on_transferring"):
+                watch[rid] = r["on_transferring"]
         done: dict[str, Any] = {}
         first: dict[str, float] = {}
         while engine.has_unfinished_requests():
+            for rid, action in list(watch.items()):
+                statuses = llm.collective_rpc(push_decode_status, args=(room_of(rid),))
+                if TRANSFERRING in statuses:
+                    del watch[rid]
+                    if action == "abort":
+                        # vLLM's front end forgets an aborted request: no output comes.
+                        engine.abort_request([rid])
+                        done[rid] = {"finish": "aborted", "tokens": [], "params": None}
+                    else:
+                        reply({"transferring": rid})
             outs = engine.step()
             if not outs:
                 time.sleep(0.001)  # as EngineCore after a step without output: threads run

@@ -31,9 +31,9 @@ def push_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
     _usable_or_skip("ucx")
     logdir = tmp_path_factory.mktemp("vllm-push")
     port = free_port()
-    # Either side gives up on a request the other never shows up for after 3 s (the failure
-    # cases below).
-    extra = {"transport": "ucx", "bootstrap_timeout": 3.0}
+    # Either side gives up on a request the other never shows up for after 3 s, and the
+    # decode on WRITEs that stop coming after 15 s (the failure cases below).
+    extra = {"transport": "ucx", "bootstrap_timeout": 3.0, "waiting_timeout": 15.0}
     with running(
         [
             # 64-token steps: a long prompt's prefill takes several (chunked prefill), each
@@ -216,3 +216,72 @@ def test_layers_are_written_during_the_prefills_forward_pass(
     assert after["at_forward_end"] == before["at_forward_end"]
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)
+
+
+LONG = 960  # fifteen prefill steps of 64 tokens: WRITEs stream for a while
+
+
+def streaming(port: int, rid: str, x: list[int], action: str) -> dict[str, Any]:
+    """The decode's command for request `rid`, acting (`action`) once its room is written."""
+    return {
+        "op": "generate",
+        "max_tokens": DECODE_TOKENS,
+        "requests": [
+            {"id": rid, "prompt": x, "params": push_params(port, rid), "on_transferring": action}
+        ],
+    }
+
+
+def prefill_cmd(rid: str, x: list[int]) -> dict[str, Any]:
+    return {
+        "op": "generate",
+        "max_tokens": 1,
+        "requests": [{"id": rid, "prompt": x, "params": {"do_remote_decode": True}}],
+    }
+
+
+def test_a_decode_that_aborts_mid_stream_serves_on_unharmed(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    """The abort reaches the connector while the prefill writes (not before, not after),
+    and neither engine is left waiting or serving wrong KV. That the aborted request's
+    blocks go back to vLLM only once drained is not observable here (vLLM hands a freed
+    block out again only after every other free block): the push core's tests show it."""
+    p, d, port = push_engines
+    x, y = prompt(63, LONG), prompt(64, LONG)
+    rid = f"push-{next(_ids)}"
+    # The decode aborts the request once the prefill's WRITEs into its blocks have begun.
+    d.send(streaming(port, rid, x, "abort"))
+    p_out = p.call(prefill_cmd(rid, x))
+    (aborted,) = d.wait(120)
+    assert aborted["finish"] == "aborted", aborted
+    # Another prompt computed at once generates what it generates computed again.
+    (now,) = decode(d, [y], [None])
+    (again,) = decode(d, [y], [None])
+    assert_same_output(now, again)
+    assert p_out[0]["finish"] == "length", p_out
+    # Both go on serving hand-offs.
+    (_,), (remote,) = handoff(p, d, port, [y], [y])
+    assert_same_output(remote, now)
+
+
+def test_a_prefill_killed_mid_stream_fails_the_decodes_request_and_it_serves_on(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    """Last in this module: the prefill does not come back."""
+    p, d, port = push_engines
+    x, y = prompt(65, LONG), prompt(66, 200)
+    rid = f"push-{next(_ids)}"
+    d.send(streaming(port, rid, x, "report"))
+    p.send(prefill_cmd(rid, x))
+    assert d.wait(120) == {"transferring": rid}
+    p.kill()
+    start = time.monotonic()
+    (out,) = d.wait(120)
+    # The request fails (the decode stops waiting for WRITEs that cannot come), well within
+    # the decode's 15 s wait, and none of its tokens is computed from half-written KV.
+    assert out["finish"] != "length", out
+    assert time.monotonic() - start < 60
+    (first,) = decode(d, [y], [None])
+    (again,) = decode(d, [y], [None])
+    assert_same_output(first, again)
