@@ -172,8 +172,16 @@ stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/t
 
 # --durations: the slowest tests, and the engine start-ups their fixtures hold (the first test
 # of a module "setup"), listed for the CI budget.
+# The tensor-parallel pairs first, alone: beside the suite's session-wide engines (pinned to
+# the same two cores) a CPU TP engine stalled for minutes in CI (RELIABILITY.md).
+tp_tests="python/tests_vllm/test_vllm_tp.py python/tests_vllm/test_vllm_push_tp.py"
+# shellcheck disable=SC2086
+stage "real vLLM: tensor-parallel pairs, alone" \
+    "$vpy" -m pytest -q -p no:cacheprovider -rs --durations=5 $tp_tests
+# shellcheck disable=SC2086
 stage "real vLLM: prefill and decode with KvxferConnector" \
-    "$vpy" -m pytest -q -p no:cacheprovider -rs --durations=20 python/tests_vllm
+    "$vpy" -m pytest -q -p no:cacheprovider -rs --durations=20 python/tests_vllm \
+    $(printf -- '--ignore=%s ' $tp_tests)
 
 stage "real SGLang: prefill, decode, router (kvxfer backend)" \
     "$spy" -m pytest -q -p no:cacheprovider -rs --durations=10 python/tests_sglang
