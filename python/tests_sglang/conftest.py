@@ -11,7 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from harness import MODEL, PROMPT_A, PROMPT_B, Router, Server, baseline, free_port, wait_healthy
+from harness import (
+    LIVE,
+    MODEL,
+    PROMPT_A,
+    PROMPT_B,
+    Router,
+    Server,
+    baseline,
+    free_port,
+    wait_healthy,
+)
 
 import kvxfer
 import kvxfer.ucx
@@ -71,6 +81,17 @@ class Pair:
             p.close()
         if self.etcd is not None:
             self.etcd.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test's report quotes the logs of the servers still running (kvxfer's lines,
+    warnings, errors): CI keeps the report, not the logs."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        for p in LIVE:
+            report.sections.append((f"server log excerpt: {p.name}", p.excerpt()))
 
 
 def _usable_or_skip(transport: str) -> None:
