@@ -441,6 +441,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             stream = self._streams.pop(room, None)
             # A streamed room's pages went out with its steps: it only has to end.
             self._send_rooms[room] = _Send(rid, pages, now, sent=bool(stream and stream.active))
+        # Before this step's forward pass, not after it: the pages of requests that ended
+        # (their last step was the one before) go out while this step computes.
+        self._post_ready_sends()
         for rid, room in meta.abort:
             # A room already reported (done or failed) had its blocks freed by vLLM with the
             # report; only one still open is aborted, and its blocks given back once drained.
@@ -509,6 +512,21 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             self._post_layers(job, self._num_layers, "at_forward_end")
         self._jobs = []
 
+    def _post_ready_sends(self) -> None:
+        """Posts the whole-page sends (rooms that did not stream) whose decode has asked."""
+        assert self._prefill is not None
+        pre = self._prefill
+        for room, s in self._send_rooms.items():
+            if s.sent or not pre.destinations_ready(room):
+                continue
+            s.sent = True
+            prefix = pages_for(pre.decode_prefix(room) or 0, self._block_size)
+            try:
+                pre.add_room(room, len(s.pages) - prefix)
+                pre.send(room, s.pages[prefix:])
+            except kvxfer.KvxferError as e:
+                log.warning("kvxfer push: request %s: send failed: %s", s.req, e)
+
     def _progress(self) -> tuple[set[str], set[str], set[str]]:
         """Polls both halves and posts what became ready: (finished sending, finished
         receiving, failed receiving)."""
@@ -520,6 +538,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         recving: set[str] = set()
         failed: set[str] = set()
         now = time.monotonic()
+        self._post_ready_sends()
         for room, s in list(self._send_rooms.items()):
             if not s.sent and now - s.since > self._bootstrap_timeout:
                 # No decode asked for these blocks: give them back.
@@ -531,14 +550,6 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
                 del self._send_rooms[room]
                 sending.add(s.req)
                 continue
-            if not s.sent and pre.destinations_ready(room):
-                s.sent = True
-                prefix = pages_for(pre.decode_prefix(room) or 0, self._block_size)
-                try:
-                    pre.add_room(room, len(s.pages) - prefix)
-                    pre.send(room, s.pages[prefix:])
-                except kvxfer.KvxferError as e:
-                    log.warning("kvxfer push: request %s: send failed: %s", s.req, e)
             status = pre.status(room)
             if s.sent and status is None:
                 status = _FAILED  # stopped before its room opened: nothing to wait for
