@@ -180,7 +180,7 @@ fn move_and_verify<F: TransportFactory>(
 ) {
     let mut src = Buffer::new(src_len as usize, Some(seed));
     let mut dst = Buffer::new(dst_len as usize, None);
-    let sums: Vec<u64> = copies.iter().map(|c| src.checksum(c.src, c.len)).collect();
+    let before = src.bytes().to_vec();
     // READ: a's destination ← b's source. WRITE: a's source → b's destination.
     let mut p = match op {
         Op::Read => connect(f, &mut [&mut dst], &mut [&mut src]),
@@ -225,9 +225,7 @@ fn move_and_verify<F: TransportFactory>(
     if let Err(e) = verify(&src, &dst, copies) {
         panic!("{op:?} indexed={indexed}: {e}");
     }
-    for (c, sum) in copies.iter().zip(sums) {
-        assert_eq!(src.checksum(c.src, c.len), sum, "source changed by {op:?}");
-    }
+    assert!(src.bytes() == before, "source changed by {op:?}");
     drop(p);
 }
 

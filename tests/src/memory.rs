@@ -32,7 +32,22 @@ impl Rng {
 /// The guard byte expected at offset `i` of an untouched destination buffer: position-
 /// dependent, so a copy landing at the wrong offset is caught even if it copies guard bytes.
 pub fn guard_byte(i: usize) -> u8 {
-    (i.wrapping_mul(31).wrapping_add(7) % 251) as u8
+    (i.wrapping_mul(31).wrapping_add(7) % GUARD_PERIOD) as u8
+}
+
+/// The guard pattern repeats every 251 bytes (31 is invertible modulo the prime 251).
+const GUARD_PERIOD: usize = 251;
+
+/// Writes the guard pattern over `data`, whose first byte is at offset `at` of its buffer.
+/// One period is computed, then copied: test buffers reach 64 MiB and the suite runs
+/// unoptimised, where a loop per byte costs seconds.
+pub fn fill_guard(data: &mut [u8], at: usize) {
+    let period: Vec<u8> = (0..2 * GUARD_PERIOD).map(guard_byte).collect();
+    let start = at % GUARD_PERIOD;
+    // Every chunk starts a whole number of periods after `at`.
+    for chunk in data.chunks_mut(GUARD_PERIOD) {
+        chunk.copy_from_slice(&period[start..start + chunk.len()]);
+    }
 }
 
 /// Fills `data` from `seed` (random bytes) or, with `None`, with the guard pattern.
@@ -45,10 +60,7 @@ pub fn fill(data: &mut [u8], seed: Option<u64>) {
                 chunk.copy_from_slice(&v[..chunk.len()]);
             }
         }
-        None => data
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, b)| *b = guard_byte(i)),
+        None => fill_guard(data, 0),
     }
 }
 
@@ -110,12 +122,17 @@ impl Buffer {
         self.data.as_mut_slice()
     }
 
-    /// FNV-1a checksum of a sub-range.
+    /// FNV-1a-style checksum of a sub-range, taken a 64-bit word at a time (the suite runs
+    /// unoptimised) and then the tail bytes.
     pub fn checksum(&self, offset: u64, len: u64) -> u64 {
         let s = &self.bytes()[offset as usize..(offset + len) as usize];
-        s.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        })
+        let mix = |h: u64, v: u64| (h ^ v).wrapping_mul(0x100_0000_01b3);
+        let words = s.chunks_exact(8);
+        let tail = words.remainder();
+        let h = words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+            mix(h, u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        });
+        tail.iter().fold(h, |h, &b| mix(h, u64::from(b)))
     }
 }
 
@@ -133,7 +150,6 @@ pub struct Copy {
 /// Checks that every copy landed and that every other destination byte still holds its
 /// guard value. Returns a description of the first problem.
 pub fn verify(src: &Buffer, dst: &Buffer, copies: &[Copy]) -> Result<(), String> {
-    let mut written = vec![false; dst.len()];
     for (i, c) in copies.iter().enumerate() {
         let (s, d, n) = (c.src as usize, c.dst as usize, c.len as usize);
         if src.bytes()[s..s + n] != dst.bytes()[d..d + n] {
@@ -142,12 +158,31 @@ pub fn verify(src: &Buffer, dst: &Buffer, copies: &[Copy]) -> Result<(), String>
                 .unwrap_or(0);
             return Err(format!("copy {i} ({c:?}) differs at byte {first}"));
         }
-        written[d..d + n].iter_mut().for_each(|w| *w = true);
     }
-    match (0..dst.len()).find(|&i| !written[i] && dst.bytes()[i] != guard_byte(i)) {
-        Some(i) => Err(format!("guard byte {i} outside every copy was overwritten")),
-        None => Ok(()),
+    // The gaps between the written ranges, compared as slices against the guard pattern.
+    let mut written: Vec<(usize, usize)> = copies
+        .iter()
+        .map(|c| (c.dst as usize, (c.dst + c.len) as usize))
+        .collect();
+    written.sort_unstable();
+    let mut guard = vec![0u8; dst.len()];
+    fill_guard(&mut guard, 0);
+    let bytes = dst.bytes();
+    let overwritten = |a: usize, b: usize| {
+        let i = (a..b).find(|&i| bytes[i] != guard[i]).unwrap_or(a);
+        Err(format!("guard byte {i} outside every copy was overwritten"))
+    };
+    let mut at = 0;
+    for &(start, end) in &written {
+        if start > at && bytes[at..start] != guard[at..start] {
+            return overwritten(at, start);
+        }
+        at = at.max(end);
     }
+    if bytes[at..] != guard[at..] {
+        return overwritten(at, bytes.len());
+    }
+    Ok(())
 }
 
 /// `n` random non-overlapping destination ranges of `min..=max` bytes with random gaps,
@@ -168,4 +203,88 @@ pub fn random_copies(rng: &mut Rng, n: usize, min: u64, max: u64) -> (Vec<Copy>,
         copies.swap(i, j);
     }
     (copies, src_len, at + rng.range(1, 64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source of random bytes and a guard-filled destination with two copies applied.
+    fn copied() -> (Buffer, Buffer, Vec<Copy>) {
+        let src = Buffer::new(1000, Some(1));
+        let mut dst = Buffer::new(1200, None);
+        let copies = vec![
+            Copy {
+                src: 10,
+                dst: 600,
+                len: 300,
+            },
+            Copy {
+                src: 500,
+                dst: 100,
+                len: 200,
+            },
+        ];
+        for c in &copies {
+            let (s, d, n) = (c.src as usize, c.dst as usize, c.len as usize);
+            let part = src.bytes()[s..s + n].to_vec();
+            dst.bytes_mut()[d..d + n].copy_from_slice(&part);
+        }
+        (src, dst, copies)
+    }
+
+    #[test]
+    fn the_guard_fill_is_the_guard_byte_at_every_offset() {
+        let mut data = vec![0u8; 3 * GUARD_PERIOD + 17];
+        fill_guard(&mut data, 0);
+        assert!(data.iter().enumerate().all(|(i, &b)| b == guard_byte(i)));
+        fill_guard(&mut data, 5);
+        assert!(
+            data.iter()
+                .enumerate()
+                .all(|(i, &b)| b == guard_byte(i + 5))
+        );
+    }
+
+    #[test]
+    fn exact_copies_verify() {
+        let (src, dst, copies) = copied();
+        verify(&src, &dst, &copies).expect("exact copies");
+    }
+
+    #[test]
+    fn a_guard_byte_overwritten_before_between_or_after_the_copies_is_named() {
+        for at in [0usize, 99, 300, 599, 900, 1199] {
+            let (src, mut dst, copies) = copied();
+            dst.bytes_mut()[at] ^= 0xff;
+            let err = verify(&src, &dst, &copies).expect_err("overwritten guard");
+            assert_eq!(
+                err,
+                format!("guard byte {at} outside every copy was overwritten")
+            );
+        }
+    }
+
+    #[test]
+    fn a_copy_that_differs_is_named_with_its_first_byte() {
+        let (src, mut dst, copies) = copied();
+        dst.bytes_mut()[100 + 7] ^= 1;
+        let err = verify(&src, &dst, &copies).expect_err("differing copy");
+        assert!(
+            err.starts_with("copy 1 ") && err.ends_with("differs at byte 7"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_checksum_sees_a_change_in_a_word_and_in_the_tail() {
+        let mut b = Buffer::new(100, Some(2));
+        let before = b.checksum(3, 90);
+        for at in [3usize, 50, 92] {
+            b.bytes_mut()[at] ^= 1;
+            assert_ne!(b.checksum(3, 90), before, "byte {at}");
+            b.bytes_mut()[at] ^= 1;
+        }
+        assert_eq!(b.checksum(3, 90), before);
+    }
 }

@@ -136,6 +136,12 @@ impl Model {
 
 /// The byte a prefill cache holds at an element identity.
 pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e: u64) -> u8 {
+    element_of(run_hash(layer, part, block, token, head), e)
+}
+
+/// The hash of a run's identity (all but the element index), mixed once per run: the
+/// suite runs unoptimised, where hashing every identity for every byte costs seconds.
+fn run_hash(layer: u32, part: Part, block: u32, token: u32, head: u32) -> u64 {
     let p = match part {
         Part::Key => 1u64,
         Part::Value => 2,
@@ -150,11 +156,26 @@ pub fn element_byte(layer: u32, part: Part, block: u32, token: u32, head: u32, e
         u64::from(block),
         u64::from(token),
         u64::from(head),
-        e,
     ] {
-        h = (h ^ v).wrapping_mul(0x100_0000_01b3);
+        h = fnv_mix(h, v);
     }
-    (h >> 24) as u8
+    h
+}
+
+fn fnv_mix(h: u64, v: u64) -> u64 {
+    (h ^ v).wrapping_mul(0x100_0000_01b3)
+}
+
+fn element_of(run: u64, e: u64) -> u8 {
+    (fnv_mix(run, e) >> 24) as u8
+}
+
+/// Writes the bytes of one run (`element_byte` for `e` in `0..out.len()`) into `out`.
+fn fill_run(out: &mut [u8], layer: u32, part: Part, block: u32, token: u32, head: u32) {
+    let run = run_hash(layer, part, block, token, head);
+    for (e, b) in out.iter_mut().enumerate() {
+        *b = element_of(run, e as u64);
+    }
 }
 
 /// Guard value of untouched decode bytes.
@@ -275,16 +296,14 @@ impl RankCache {
                     for t in 0..s.tokens_per_block() {
                         for h in 0..s.kv_heads() {
                             let (at, len) = self.offset(layer, part, b, t, h);
-                            for e in 0..len {
-                                self.mem[at + e] = element_byte(
-                                    self.first_layer + layer,
-                                    part,
-                                    b,
-                                    t,
-                                    self.first_head + h,
-                                    e as u64,
-                                );
-                            }
+                            fill_run(
+                                &mut self.mem[at..at + len],
+                                self.first_layer + layer,
+                                part,
+                                b,
+                                t,
+                                self.first_head + h,
+                            );
                         }
                     }
                 }
@@ -302,6 +321,7 @@ impl RankCache {
     /// engine was told is invalid: a copy may or may not have landed).
     pub fn verify_except(&self, pairs: &[(u32, u32)], invalid: &[u32]) -> Result<(), String> {
         let s = self.spec;
+        let mut want = Vec::new();
         for layer in 0..s.num_layers() {
             for &part in s.parts() {
                 for b in (0..s.num_blocks()).filter(|b| !invalid.contains(b)) {
@@ -309,24 +329,25 @@ impl RankCache {
                     for t in 0..s.tokens_per_block() {
                         for h in 0..s.kv_heads() {
                             let (at, len) = self.offset(layer, part, b, t, h);
-                            for e in 0..len {
-                                let want = match src {
-                                    Some(sb) => element_byte(
-                                        self.first_layer + layer,
-                                        part,
-                                        sb,
-                                        t,
-                                        self.first_head + h,
-                                        e as u64,
-                                    ),
-                                    None => GUARD,
-                                };
-                                let got = self.mem[at + e];
-                                if got != want {
-                                    return Err(format!(
-                                        "layer {layer} {part:?} block {b} token {t} head {h} byte {e}: got {got:#x}, want {want:#x} (source block {src:?})"
-                                    ));
-                                }
+                            let got = &self.mem[at..at + len];
+                            want.resize(len, GUARD);
+                            match src {
+                                Some(sb) => fill_run(
+                                    &mut want,
+                                    self.first_layer + layer,
+                                    part,
+                                    sb,
+                                    t,
+                                    self.first_head + h,
+                                ),
+                                None => want.fill(GUARD),
+                            }
+                            if got != want.as_slice() {
+                                let e = (0..len).find(|&e| got[e] != want[e]).unwrap_or(0);
+                                let (got, want) = (got[e], want[e]);
+                                return Err(format!(
+                                    "layer {layer} {part:?} block {b} token {t} head {h} byte {e}: got {got:#x}, want {want:#x} (source block {src:?})"
+                                ));
                             }
                         }
                     }
@@ -613,5 +634,67 @@ pub fn poll_until<T: Transport>(
             "scenario did not finish within 60 s"
         );
         std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decode cache whose block 2 holds the prefill's block 5, copied byte for byte.
+    fn loaded() -> (RankCache, Vec<(u32, u32)>) {
+        let model = Model::small(BlockOrder::Hnd, 2);
+        let pre = RankCache::new(model.spec(2), 0, true);
+        let mut dec = RankCache::new(model.spec(2), 0, false);
+        for layer in 0..model.layers {
+            for &part in pre.spec.parts() {
+                for t in 0..model.tokens {
+                    for h in 0..2 {
+                        let (from, len) = pre.offset(layer, part, 5, t, h);
+                        let (to, _) = dec.offset(layer, part, 2, t, h);
+                        dec.mem[to..to + len].copy_from_slice(&pre.mem[from..from + len]);
+                    }
+                }
+            }
+        }
+        (dec, vec![(5, 2)])
+    }
+
+    #[test]
+    fn a_prefill_cache_holds_each_elements_identity_byte() {
+        let model = Model::small(BlockOrder::Nhd, 2);
+        let pre = RankCache::new(model.spec(2), 0, true);
+        let (at, len) = pre.offset(1, Part::Value, 3, 1, 1);
+        for e in 0..len {
+            assert_eq!(
+                pre.mem[at + e],
+                element_byte(1, Part::Value, 3, 1, 1, e as u64)
+            );
+        }
+    }
+
+    #[test]
+    fn a_loaded_block_verifies_and_a_changed_byte_is_named() {
+        let (mut dec, pairs) = loaded();
+        dec.verify(&pairs).expect("copied block");
+        let (at, _) = dec.offset(1, Part::Value, 2, 1, 0);
+        dec.mem[at + 3] ^= 1;
+        let err = dec.verify(&pairs).expect_err("changed byte");
+        assert!(
+            err.starts_with("layer 1 Value block 2 token 1 head 0 byte 3:"),
+            "{err}"
+        );
+        dec.verify_except(&pairs, &[2])
+            .expect("the changed block left out");
+    }
+
+    #[test]
+    fn a_guard_byte_changed_in_a_block_nothing_loaded_is_named() {
+        let (mut dec, pairs) = loaded();
+        let (at, len) = dec.offset(0, Part::Key, 7, 0, 1);
+        dec.mem[at + len - 1] = 0;
+        let err = dec.verify(&pairs).expect_err("changed guard");
+        assert!(err.contains("block 7 token 0 head 1"), "{err}");
+        assert!(err.contains("want 0xee (source block None)"), "{err}");
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
 
-use crate::memory::{Buffer, Rng, guard_byte};
+use crate::memory::{Buffer, Rng, fill_guard, guard_byte};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -86,6 +86,9 @@ pub fn run<T: Transport>(mut a: T, mut b: T, c: &SoakConfig) -> SoakReport {
     let peer = a.load_peer(&b.metadata().expect("metadata")).expect("load");
     let _ = b.load_peer(&a.metadata().expect("metadata"));
     let mut rng = Rng::new(c.seed);
+    // What an untouched destination holds, for the periodic whole-buffer check.
+    let mut untouched = vec![0u8; c.buffer];
+    fill_guard(&mut untouched, 0);
     let mut report = SoakReport::default();
     let start = Instant::now();
     let h = MemoryKind::Host;
@@ -155,17 +158,11 @@ pub fn run<T: Transport>(mut a: T, mut b: T, c: &SoakConfig) -> SoakReport {
         // Put the guard pattern back where the copies landed.
         let bytes = to.bytes_mut();
         for &(_, d, l) in &copies {
-            for (p, b) in bytes
-                .iter_mut()
-                .enumerate()
-                .skip(d as usize)
-                .take(l as usize)
-            {
-                *b = guard_byte(p);
-            }
+            let (du, lu) = (d as usize, l as usize);
+            fill_guard(&mut bytes[du..du + lu], du);
         }
         if i % 1000 == 999 {
-            bad |= (0..bytes.len()).any(|p| bytes[p] != guard_byte(p));
+            bad |= *bytes != untouched[..];
         }
         report.corrupt += usize::from(bad);
         report.transfers += 1;
