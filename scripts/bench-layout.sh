@@ -17,7 +17,9 @@ case "${1:-}" in
     "") ;;
     *) echo "usage: scripts/bench-layout.sh [--quick | --smoke]" >&2; exit 2 ;;
 esac
-cargo bench -p kvxfer-layout --bench plan -- "${time_args[@]}" | tee "$out/criterion.txt"
+# The workspace's features, as every benchmark script selects them: one release build serves
+# them all (a selection of its own would rebuild the dependencies whose features it changes).
+cargo bench --workspace --all-features --bench plan -- "${time_args[@]}" | tee "$out/criterion.txt"
 if [ -d "$peers" ]; then
     # The peers import NIXL, whose bundled UCX needs nixl-venv.sh's environment (without it
     # the IB modules load a second libnl and the interpreter crashes at exit).

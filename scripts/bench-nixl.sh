@@ -21,7 +21,8 @@ fi
 peer="$root/../shared/peers/vllm_style_nixl_bench.py"
 [ -f "$peer" ] || { echo "no $peer" >&2; exit 2; }
 eval "$(scripts/nixl-venv.sh)"
-cargo build --release --features nixl -q
+# The workspace's features, as every benchmark script selects them (one release build for all).
+cargo build --release --workspace --all-features --bin kvxfer -q
 out="$root/target/bench-nixl"
 mkdir -p "$out"
 for i in $(seq 1 "$rounds"); do

@@ -3,7 +3,7 @@
 # side in one run: python/tests_sglang/bench_sglang.py (its docstring says what is measured).
 # The default shape is Llama-3-8B's KV geometry (a seeded model written locally), bf16,
 # 2048-token prompts, 5 requests per backend after a warm-up: about 20 min on 2 cores, most of
-# it the CPU prefill's compute. --smoke: the tiny model, 2 × 128 tokens, two backends.
+# it the CPU prefill's compute. --smoke: the tiny model, 2 × 128 tokens, the nixl baseline only.
 # Usage: scripts/bench-sglang.sh [--smoke] [--out JSON] [bench_sglang.py options]
 # Sets up .venv-sglang first (scripts/sglang-env.sh) unless KVXFER_SGLANG_ENV_READY=1; needs
 # the NIXL environment (scripts/nixl-venv.sh) for kvxfer over NIXL.

@@ -15,16 +15,20 @@ if [ -f "$root/../shared/peers/vllm_style_nixl_bench.py" ]; then
 else
     echo "SKIP scripts/bench-nixl.sh: it compares against ../shared/peers, which is absent"
 fi
-run cargo bench -q -p kvxfer-transport-loopback --bench throughput -- \
-    --warm-up-time 0.05 --measurement-time 0.1
-# The harness-less benchmarks take their size as the first number on the command line; one
-# feature set for all five so they share one build.
-run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench pull_llama8b -- 2
-run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench soak -- 2000
-run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench ucx_read -- 1
-run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench nixl_post -- 1
-run cargo bench -q -p kvxfer-tests --features ucx,nixl,etcd --bench discovery_scale -- 80 2
-run cargo run -q --release -- bench --requests 2
+# Every benchmark selects the workspace with all its features, as the two scripts above do, so
+# all share one release build: a selection of its own (`-p X`, `--features`) would rebuild
+# each dependency whose features it changes.
+all=(--workspace --all-features)
+run cargo bench -q "${all[@]}" --bench throughput -- --warm-up-time 0.05 --measurement-time 0.1
+# The harness-less benchmarks take their size as the first number on the command line.
+run cargo bench -q "${all[@]}" --bench pull_llama8b -- 2
+run cargo bench -q "${all[@]}" --bench soak -- 2000
+run cargo bench -q "${all[@]}" --bench ucx_read -- 1
+run cargo bench -q "${all[@]}" --bench nixl_post -- 1
+run cargo bench -q "${all[@]}" --bench discovery_scale -- 80 2
+# The README's main job (`cargo run --release -- bench`), on that build's command.
+run cargo build -q --release "${all[@]}" --bin kvxfer
+run target/release/kvxfer bench --requests 2
 # The real-vLLM benchmark, on the environment the test command set up.
 if [ -x "$root/.venv-vllm/bin/python" ]; then
     run env KVXFER_VLLM_ENV_READY=1 scripts/bench-vllm.sh --smoke
