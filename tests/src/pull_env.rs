@@ -166,8 +166,18 @@ fn fnv_mix(h: u64, v: u64) -> u64 {
     (h ^ v).wrapping_mul(0x100_0000_01b3)
 }
 
+/// The byte of element `e` of a run: FNV alone leaves the upper bits of neighbouring
+/// identities (head 0 and head 1, element 0 and 1) equal, so a copy landing one head or one
+/// element off would hold the expected bytes; a full 64-bit finaliser (MurmurHash3's
+/// fmix64) makes every bit depend on every input bit.
 fn element_of(run: u64, e: u64) -> u8 {
-    (fnv_mix(run, e) >> 24) as u8
+    let mut z = fnv_mix(run, e);
+    z ^= z >> 33;
+    z = z.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    z ^= z >> 33;
+    z = z.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    z ^= z >> 33;
+    z as u8
 }
 
 /// Writes the bytes of one run (`element_byte` for `e` in `0..out.len()`) into `out`.
@@ -663,13 +673,36 @@ mod tests {
     #[test]
     fn a_prefill_cache_holds_each_elements_identity_byte() {
         let model = Model::small(BlockOrder::Nhd, 2);
-        let pre = RankCache::new(model.spec(2), 0, true);
+        // A second TP rank's cache of a pipeline stage: global heads 2.. and layers 4..
+        let pre = RankCache::with_layers(model.spec(2), 2, 4, true);
         let (at, len) = pre.offset(1, Part::Value, 3, 1, 1);
         for e in 0..len {
             assert_eq!(
                 pre.mem[at + e],
-                element_byte(1, Part::Value, 3, 1, 1, e as u64)
+                element_byte(5, Part::Value, 3, 1, 3, e as u64)
             );
+        }
+    }
+
+    #[test]
+    fn neighbouring_identities_hold_different_bytes() {
+        let run = |layer, part, block, token, head| {
+            (0..16)
+                .map(|e| element_byte(layer, part, block, token, head, e))
+                .collect::<Vec<u8>>()
+        };
+        let base = run(1, Part::Key, 3, 2, 1);
+        let distinct: std::collections::HashSet<u8> = base.iter().copied().collect();
+        assert!(distinct.len() > 8, "a run's bytes barely vary: {base:?}");
+        for other in [
+            run(0, Part::Key, 3, 2, 1),
+            run(1, Part::Value, 3, 2, 1),
+            run(1, Part::Key, 2, 2, 1),
+            run(1, Part::Key, 3, 1, 1),
+            run(1, Part::Key, 3, 2, 0),
+        ] {
+            let same = base.iter().zip(&other).filter(|(a, b)| a == b).count();
+            assert!(same < 4, "{same} of 16 bytes equal: {base:?} / {other:?}");
         }
     }
 
