@@ -27,6 +27,7 @@ import kvxfer
 import kvxfer.ucx
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+import live_logs  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
 
 # This process's own agents (the probe, the out-of-range decode) use the UCX the servers use:
@@ -83,15 +84,8 @@ class Pair:
             self.etcd.close()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failing test's report quotes the logs of the servers still running (kvxfer's lines,
-    warnings, errors): CI keeps the report, not the logs."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
-    if report.failed:
-        for p in LIVE:
-            report.sections.append((f"server log excerpt: {p.name}", p.excerpt()))
+# A failing test's report quotes the logs of the processes still running.
+pytest_runtest_makereport = live_logs.report_hook(LIVE, lambda p: f"server log excerpt: {p.name}")
 
 
 def _usable_or_skip(transport: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -24,9 +23,6 @@ MODEL = Path(os.environ.get("KVXFER_SGLANG_MODEL", str(Path(sys.prefix) / "model
 _handed_out: set[int] = set()
 # Processes started and not yet closed: a failing test's report quotes their logs.
 LIVE: list[Process] = []
-# What a failing test's report quotes of each live process's log.
-EXCERPT = re.compile(r"kvxfer|WARNING|ERROR|Traceback|Error")
-EXCERPT_LINES = 60
 
 PROMPT_A = [(i * 7 + 3) % 1000 for i in range(100)]
 PROMPT_B = [(i * 13 + 5) % 1000 for i in range(100)]
@@ -136,12 +132,6 @@ class Process:
         self.log.close()
         if self in LIVE:
             LIVE.remove(self)
-
-    def excerpt(self) -> str:
-        """The last log lines about kvxfer, warnings and errors: what a CI failure needs to
-        be explained once the machine and its logs are gone."""
-        lines = [line for line in self.log_text().splitlines() if EXCERPT.search(line)]
-        return "\n".join(lines[-EXCERPT_LINES:])
 
 
 class Server(Process):

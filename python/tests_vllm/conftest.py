@@ -2,6 +2,7 @@
 KvxferConnector, started once per transport (UCX, NIXL) and shared by the tests."""
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,18 +22,14 @@ from harness import (
     start,
 )
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+import live_logs  # noqa: E402
+
 HANDSHAKE_TIMEOUT = 10
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failing test's report quotes the logs of the engines still running (kvxfer's lines,
-    warnings, errors): CI keeps the report, not the logs."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
-    if report.failed:
-        for e in LIVE:
-            report.sections.append((f"engine log excerpt: {e.role}", e.excerpt()))
+# A failing test's report quotes the logs of the processes still running.
+pytest_runtest_makereport = live_logs.report_hook(LIVE, lambda e: f"engine log excerpt: {e.role}")
 
 
 def _usable_or_skip(transport: str, model: Path = MODEL) -> None:

@@ -4,7 +4,6 @@ benchmark: started with a KV connector, driven one JSON command at a time."""
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -30,9 +29,6 @@ STOCK = ("NixlConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 _handed_out: set[int] = set()
 # Engines started and not yet closed: a failing test's report quotes their logs.
 LIVE: list["Engine"] = []
-# What a failing test's report quotes of each live engine's log.
-EXCERPT = re.compile(r"kvxfer|WARNING|ERROR|Traceback|Error|No available shared memory")
-EXCERPT_LINES = 60
 
 
 def pinned(cpus: str) -> list[str]:
@@ -201,12 +197,6 @@ class Engine:
         self.log.close()
         if self in LIVE:
             LIVE.remove(self)
-
-    def excerpt(self) -> str:
-        """The last log lines about kvxfer, warnings and errors: what a CI failure needs to
-        be explained once the machine and its logs are gone."""
-        lines = [line for line in self.log_text().splitlines() if EXCERPT.search(line)]
-        return "\n".join(lines[-EXCERPT_LINES:])
 
 
 def start(engines: list[Engine], timeout: float = 600) -> list[Engine]:
