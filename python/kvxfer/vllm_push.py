@@ -194,9 +194,11 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._num_layers = 0
         self._cross_layer = False
-        # Layer chunks posted while the forward pass ran (from `save_kv_layer`), and those
-        # left for its end (`wait_for_save`: layers vLLM did not report).
-        self.layer_posts = {"in_forward": 0, "at_forward_end": 0}
+        # Posts, by where they were made: layer chunks while the forward pass ran (from
+        # `save_kv_layer`) and those left for its end (`wait_for_save`: layers vLLM did not
+        # report); whole-page sends of rooms that did not stream, when a step's metadata is
+        # bound (before its forward pass) and from the poll after it (a decode that asked late).
+        self.posts = {"in_forward": 0, "at_forward_end": 0, "whole_at_bind": 0, "whole_at_poll": 0}
         self._layer_posts_reported = 0
 
     # ---- scheduler side (EngineCore process) ----
@@ -443,7 +445,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             self._send_rooms[room] = _Send(rid, pages, now, sent=bool(stream and stream.active))
         # Before this step's forward pass, not after it: the pages of requests that ended
         # (their last step was the one before) go out while this step computes.
-        self._post_ready_sends()
+        self._post_ready_sends("whole_at_bind")
         for rid, room in meta.abort:
             # A room already reported (done or failed) had its blocks freed by vLLM with the
             # report; only one still open is aborted, and its blocks given back once drained.
@@ -485,7 +487,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             self._prefill.send_layers(
                 job.room, job.pages, job.next, end - job.next, end == self._num_layers
             )
-            self.layer_posts[counter] += 1
+            self.posts[counter] += 1
         except kvxfer.KvxferError as e:
             # The room failed in kvxfer; its end is reported as for any failed room.
             log.warning("kvxfer push: room %d: layer write failed: %s", job.room, e)
@@ -512,8 +514,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             self._post_layers(job, self._num_layers, "at_forward_end")
         self._jobs = []
 
-    def _post_ready_sends(self) -> None:
-        """Posts the whole-page sends (rooms that did not stream) whose decode has asked."""
+    def _post_ready_sends(self, counter: str) -> None:
+        """Posts the whole-page sends (rooms that did not stream) whose decode has asked,
+        counting each under `counter`."""
         assert self._prefill is not None
         pre = self._prefill
         for room, s in self._send_rooms.items():
@@ -524,6 +527,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             try:
                 pre.add_room(room, len(s.pages) - prefix)
                 pre.send(room, s.pages[prefix:])
+                self.posts[counter] += 1
             except kvxfer.KvxferError as e:
                 log.warning("kvxfer push: request %s: send failed: %s", s.req, e)
 
@@ -538,7 +542,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         recving: set[str] = set()
         failed: set[str] = set()
         now = time.monotonic()
-        self._post_ready_sends()
+        self._post_ready_sends("whole_at_poll")
         for room, s in list(self._send_rooms.items()):
             if not s.sent and now - s.since > self._bootstrap_timeout:
                 # No decode asked for these blocks: give them back.
@@ -625,10 +629,10 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         m.update({k: v for k, v in pre.items() if k != "digest_time"})
         m["bytes"] = pre.get("kv_bytes", 0)
         m["digest_time"] = pre.get("digest_time", 0.0) + m.get("digest_time", 0.0)
-        posts = self.layer_posts["in_forward"]
+        posts = self.posts["in_forward"]
         m["layer_posts"] = posts - self._layer_posts_reported
         self._layer_posts_reported = posts
-        stats = KvxferPushStats.from_worker(m)
+        stats = self.stats_class.from_worker(m)
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:

@@ -57,11 +57,11 @@ def kv_head_hashes(worker: Any) -> dict[int, dict[int, list[str]]]:
     return out
 
 
-def push_layer_posts(worker: Any) -> dict[str, int]:
-    """The worker's KvxferPushConnector layer chunk counters."""
+def push_posts(worker: Any) -> dict[str, int]:
+    """The worker's KvxferPushConnector post counters (layer chunks, whole-page sends)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return dict(get_kv_transfer_group().layer_posts)
+    return dict(get_kv_transfer_group().posts)
 
 
 def push_room_ready(worker: Any, room: int) -> bool:
@@ -192,9 +192,9 @@ def main() -> None:
             room = room_of(cmd["id"])
             reply(all(llm.collective_rpc(push_room_ready, args=(room,))))
             continue
-        if op == "push_layer_posts":
-            # KvxferPushConnector's layer chunk counters, per worker.
-            reply(llm.collective_rpc(push_layer_posts))
+        if op == "push_posts":
+            # KvxferPushConnector's post counters, per worker.
+            reply(llm.collective_rpc(push_posts))
             continue
         if op == "kv_head_hashes":
             reply(llm.collective_rpc(kv_head_hashes))

@@ -22,6 +22,7 @@ from harness import Engine, free_port
 
 PUSH = ("KvxferPushConnector", "kvxfer.vllm")
 STEP = 64  # the prefill's tokens per step
+SHORT = 48  # prompts shorter than this are sent whole after their last step
 LAYERS = 2  # the test model's
 _ids = itertools.count()
 
@@ -37,11 +38,11 @@ def push_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
     with running(
         [
             # 64-token steps: a long prompt's prefill takes several (chunked prefill), each
-            # streaming the pages it completes layer by layer.
+            # streaming the pages it completes layer by layer; short prompts go whole.
             Engine(
                 "prefill",
                 "0",
-                {**extra, "side_channel_port": port},
+                {**extra, "side_channel_port": port, "layerwise_min_tokens": SHORT},
                 logdir,
                 connector=PUSH,
                 opts={"max_num_batched_tokens": STEP},
@@ -206,14 +207,32 @@ def test_layers_are_written_during_the_prefills_forward_pass(
 ) -> None:
     p, d, port = push_engines
     x = prompt(62, 257)  # five steps: four of 64 tokens (two pages each), then the last one
-    (before,) = p.call({"op": "push_layer_posts"})
+    (before,) = p.call({"op": "push_posts"})
     _, (remote,) = handoff(p, d, port, [x], [x], asked_first=True)
-    (after,) = p.call({"op": "push_layer_posts"})
+    (after,) = p.call({"op": "push_posts"})
     # Each step's completed pages went out one layer at a time as vLLM computed the layer,
     # not after the step: one post per layer and step, none left for the forward pass's end.
     steps = -(-len(x) // STEP)
     assert after["in_forward"] - before["in_forward"] == steps * LAYERS, (before, after)
     assert after["at_forward_end"] == before["at_forward_end"]
+    (local,) = decode(d, [x], [None])
+    assert_same_output(remote, local)
+
+
+def test_a_short_prompts_pages_go_whole_before_the_next_forward_pass(
+    push_engines: tuple[Engine, Engine, int],
+) -> None:
+    p, d, port = push_engines
+    x = prompt(65, SHORT - 7)  # below layerwise_min_tokens: not streamed
+    (before,) = p.call({"op": "push_posts"})
+    _, (remote,) = handoff(p, d, port, [x], [x], asked_first=True)
+    (after,) = p.call({"op": "push_posts"})
+    # Its pages went out in one send once the request ended, when the next step's metadata
+    # was bound, before that step's forward pass: not from the poll after it, which leaves a
+    # whole step of compute exposed when other requests are in the batch.
+    assert after["whole_at_bind"] - before["whole_at_bind"] == 1, (before, after)
+    assert after["whole_at_poll"] == before["whole_at_poll"], (before, after)
+    assert after["in_forward"] == before["in_forward"], (before, after)
     (local,) = decode(d, [x], [None])
     assert_same_output(remote, local)
 
