@@ -13,8 +13,10 @@ asked (pages of earlier steps go whole first), so that the transfer runs behind 
 of the forward pass and the decode can start once the last layer landed. A layer vLLM did
 not report goes when the forward pass ends (``wait_for_save``); a cross-layer cache
 (``VLLM_KV_CACHE_LAYOUT=BLHNC``) and a request whose decode asks only after it ended send
-whole pages after the step. ``layerwise: false`` turns streaming off; with
-``layerwise_min_tokens`` shorter prompts are sent after their last step instead.
+whole pages after the step. ``layerwise: false`` turns streaming off; prompts shorter than
+``layerwise_min_tokens`` (default 48) are sent whole after their last step instead: on the
+benchmark's CPU engine, per-layer posting cost a 32-token prompt's first token more than it
+saved and paid from 64 tokens on (docs/vllm.md).
 
 Operators switch to it with ``kv_connector: KvxferPushConnector`` (module ``kvxfer.vllm``);
 ``kv_connector_extra_config`` takes the pull connector's ``transport``, ``ucx_library``,
@@ -71,6 +73,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvxfer")
+# Prompts shorter than this go whole after their last step (measured: docs/vllm.md, "The
+# push flow"; between 32 tokens, where streaming cost more than it saved, and 64).
+LAYERWISE_MIN_TOKENS = 48
 
 # kvxfer's room states (SGLang's KVPoll values).
 _FAILED, _SUCCESS = 0, 4
@@ -180,7 +185,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         self._stop: list[Stop] = []
         # Layer-by-layer streaming (prefill): which requests stream, how far each got.
         self._layerwise = _flag(extra, "layerwise", True)
-        self._layerwise_min_tokens = int(extra.get("layerwise_min_tokens", 0))
+        self._layerwise_min_tokens = int(extra.get("layerwise_min_tokens", LAYERWISE_MIN_TOKENS))
         self._streams_plan = StreamPlan(self._block_size)
         # Worker side.
         self._registry: kvxfer.PushRegistry | None = None
