@@ -31,22 +31,33 @@ impl Rng {
 
 /// The guard byte expected at offset `i` of an untouched destination buffer: position-
 /// dependent, so a copy landing at the wrong offset is caught even if it copies guard bytes.
-pub fn guard_byte(i: usize) -> u8 {
+pub const fn guard_byte(i: usize) -> u8 {
     (i.wrapping_mul(31).wrapping_add(7) % GUARD_PERIOD) as u8
 }
 
 /// The guard pattern repeats every 251 bytes (31 is invertible modulo the prime 251).
 const GUARD_PERIOD: usize = 251;
 
-/// Writes the guard pattern over `data`, whose first byte is at offset `at` of its buffer.
-/// One period is computed, then copied: test buffers reach 64 MiB and the suite runs
-/// unoptimised, where a loop per byte costs seconds.
+/// Two periods of the guard pattern, so that a period starting anywhere in the first is one
+/// slice of it.
+const GUARD_PATTERN: [u8; 2 * GUARD_PERIOD] = {
+    let mut p = [0u8; 2 * GUARD_PERIOD];
+    let mut i = 0;
+    while i < p.len() {
+        p[i] = guard_byte(i);
+        i += 1;
+    }
+    p
+};
+
+/// Writes the guard pattern over `data`, whose first byte is at offset `at` of its buffer,
+/// a period at a time: test buffers reach 64 MiB and the suite runs unoptimised, where a
+/// loop per byte costs seconds.
 pub fn fill_guard(data: &mut [u8], at: usize) {
-    let period: Vec<u8> = (0..2 * GUARD_PERIOD).map(guard_byte).collect();
     let start = at % GUARD_PERIOD;
     // Every chunk starts a whole number of periods after `at`.
     for chunk in data.chunks_mut(GUARD_PERIOD) {
-        chunk.copy_from_slice(&period[start..start + chunk.len()]);
+        chunk.copy_from_slice(&GUARD_PATTERN[start..start + chunk.len()]);
     }
 }
 
