@@ -26,7 +26,12 @@ else the system's: see :mod:`kvxfer.nixl`), ``vllm_peers`` (true:
 also speak vLLM 0.32.0's NixlConnector handshake, so that stock vLLM engines running
 ``NixlConnector`` pull from this prefill and this decode pulls from them; serving them needs
 ``transport: nixl``), ``enforce_handshake_compat`` (true: refuse stock peers whose
-compatibility hash differs, as vLLM does), ``discovery`` (``etcd://HOST:PORT[,HOST:PORT...]``:
+compatibility hash differs, as vLLM does), ``stop_short`` (true: with a sliding-window
+group the prefill computes every prompt token but the last, which the decode computes, so
+that no block the decode's window reads is freed; stock decodes cannot pull from such a
+prefill. false: the whole prompt, as vLLM's NixlConnector does, so that stock decodes can;
+a prompt whose last window starts in a block vLLM then freed is not handed off, and the
+decode computes it), ``discovery`` (``etcd://HOST:PORT[,HOST:PORT...]``:
 each worker registers its rank in etcd under its own lease, as ``prefill`` or, for
 ``kv_consumer``, ``decode``, with its side channel, instance and layout digest; a decode
 (``kv_consumer`` or ``kv_both``) also watches the prefill engines and fails its loads in flight
@@ -512,8 +517,11 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         # Mamba state: one running state per request, which the decode must receive as it
         # stood before the last prompt token (it cannot compute that token again on top).
         self._state = any(g.state for g in self._groups)
-        # Both make the prefill stop one token short (see `_stop_before_last_token`).
-        self._stops_short = self._sliding or self._state
+        # Both make the prefill stop one token short (see `_stop_before_last_token`); with a
+        # sliding window, `stop_short: false` computes the whole prompt as vLLM's
+        # NixlConnector does, so that stock decodes can pull from this prefill.
+        self._stop_short = _flag(extra, "stop_short", True)
+        self._stops_short = (self._sliding and self._stop_short) or self._state
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
         self._registration: kvxfer.Registration | None = None
@@ -679,7 +687,55 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, self._per_group(block_ids, None))
+        whole = self._sliding and not self._stops_short
+        params = request.kv_transfer_params or {}
+        computed = int(request.num_computed_tokens)
+        if whole and params.get("do_remote_decode") and self._window_start_freed(computed):
+            # No decode can load this prompt as it was left: hand off nothing (each decode
+            # computes the prompt itself) and give the blocks back now.
+            log.info(
+                "kvxfer: request %s not handed off: vLLM freed the block where the window of "
+                "its last prompt token (%d computed) starts",
+                request.request_id,
+                computed,
+            )
+            return self._finished(request, [], hand_off=False)
+        delay, handed = self._finished(request, self._per_group(block_ids, None))
+        if handed is not None and whole:
+            handed["remote_block_ids"] = self._stock_lists(block_ids, handed["remote_block_ids"])
+        return delay, handed
+
+    def _window_start_freed(self, computed: int) -> bool:
+        """Whether, with `computed` prompt tokens computed, vLLM freed the block where the
+        window of the last one starts: it frees the blocks no window from the next token on
+        reads, and the last token's window starts one token earlier. A kvxfer decode's load
+        of such a prompt fails (a block it needs is gone); a stock decode's loads it with a
+        null block there (its outputs then differed from computing the prompt)."""
+        for g in self._groups:
+            if g.window is None or g.state:
+                continue
+            next_start = computed - g.window + 1
+            if next_start > 0 and next_start % self._block_size == 0:
+                return True
+        return False
+
+    def _stock_lists(self, block_ids: tuple[list[int], ...], held: list[Any]) -> list[Any]:
+        """A prefill's lists as vLLM's NixlConnector hands them, for stock decodes: a
+        sliding-window group's last `window / block + 1` blocks (rounded up), the null
+        blocks of freed ones included, since vLLM's decode pairs the tail of that many of
+        its own with them (kvxfer decodes drop the nulls)."""
+        if not held or isinstance(held[0], int):
+            held = [held]
+        out = []
+        for i, g, h in zip(self._transfer_ids, self._groups, held, strict=True):
+            if g.window is None or g.state:
+                out.append(h)
+                continue
+            keep = -(-g.window // self._block_size) + 1
+            clipped = list(block_ids[i])[-keep:]
+            # What kvxfer holds is the non-null tail of those, or the lists disagree.
+            out.append(clipped if _held(clipped) == list(h) else h)
+        return out if len(out) > 1 else out[0]
 
     def _per_group(
         self, block_ids: tuple[list[int], ...] | list[list[int]], loaded: int | None
@@ -705,7 +761,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         return out
 
     def _finished(
-        self, request: Request, block_ids: list[list[int]]
+        self, request: Request, block_ids: list[list[int]], hand_off: bool = True
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         self._unusable.pop(request.request_id, None)
@@ -720,7 +776,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             delay, out = self._sched().request_finished(
                 request.request_id,
                 json.dumps(params),
-                request.status in _HANDED_OFF,
+                hand_off and request.status in _HANDED_OFF,
                 block_ids,
                 content,
             )
@@ -774,13 +830,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         e = self._extra
         vllm_compat = None
-        if groups is not None and bool(e.get("vllm_peers", True)):
-            log.warning(
-                "kvxfer: stock vLLM peers disabled: a hybrid model (%d KV cache groups) pairs "
-                "with kvxfer peers only",
-                len(groups),
-            )
-        elif self._state and bool(e.get("vllm_peers", True)):
+        if self._state and bool(e.get("vllm_peers", True)):
             log.warning(
                 "kvxfer: stock vLLM peers disabled: Mamba state pairs with kvxfer peers only"
             )
@@ -788,6 +838,16 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             import vllm
 
             names = sorted(kv_caches, key=_layer_key)
+            # vLLM's decode loads the whole prompt and lines its lists up with the prefill's
+            # at the last prompt token: it misreads a prefill that stopped short.
+            serve = not (self._sliding and self._stops_short)
+            if not serve:
+                log.warning(
+                    "kvxfer: stock vLLM decodes cannot pull from this engine: with a sliding "
+                    "window it stops before the last prompt token (kvxfer decodes compute it), "
+                    "which vLLM's decode does not expect; set stop_short to false on a prefill "
+                    "that stock decodes pull from"
+                )
             try:
                 vllm_compat = compat_json(
                     cfg,
@@ -795,6 +855,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                     _backend_name(cfg, names[0]),
                     names,
                     bool(e.get("enforce_handshake_compat", True)),
+                    serve_decodes=serve,
                 )
             except ValueError as err:
                 # kvxfer peers are unaffected: only stock vLLM peers need the factors.

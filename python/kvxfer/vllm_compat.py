@@ -58,9 +58,10 @@ def compat_json(
     attn_backend_name: str,
     region_names: list[str],
     enforce_hash: bool,
+    serve_decodes: bool = True,
 ) -> str:
-    """`PullWorker(vllm_compat=...)`: the factors, whether a differing hash is refused, and
-    the layer name of each region."""
+    """`PullWorker(vllm_compat=...)`: the factors, whether a differing hash is refused, the
+    layer name of each region, and whether stock decodes may pull from this engine."""
     if vllm_version != SPOKEN_VLLM:
         log.warning(
             "kvxfer speaks vLLM %s's NixlConnector protocol (version %d); stock peers of this "
@@ -74,5 +75,6 @@ def compat_json(
             "factors": compat_factors(vllm_config, vllm_version, attn_backend_name),
             "enforce_hash": enforce_hash,
             "region_names": region_names,
+            "serve_decodes": serve_decodes,
         }
     )

@@ -36,6 +36,12 @@ struct VllmCompatArgs {
     factors: kvxfer_core::wire::vllm::CompatFactors,
     enforce_hash: bool,
     region_names: Vec<String>,
+    #[serde(default = "yes")]
+    serve_decodes: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn parse_vllm_compat(json: &str) -> PyResult<pull::VllmCompat> {
@@ -45,6 +51,7 @@ fn parse_vllm_compat(json: &str) -> PyResult<pull::VllmCompat> {
         factors: a.factors,
         enforce_hash: a.enforce_hash,
         region_names: a.region_names,
+        serve_decodes: a.serve_decodes,
     })
 }
 

@@ -65,3 +65,6 @@ def test_the_worker_argument_and_a_warning_for_another_vllm(
     arg = json.loads(text)
     assert arg["enforce_hash"] is False and arg["region_names"] == ["a", "b"]
     assert arg["factors"]["vllm_version"] == "0.33.1"
+    assert arg["serve_decodes"] is True
+    off = json.loads(compat_json(config(), "0.32.0", "CPU_ATTN", [], True, serve_decodes=False))
+    assert off["serve_decodes"] is False

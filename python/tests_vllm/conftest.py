@@ -168,11 +168,13 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engin
 @pytest.fixture(scope="module")
 def hybrid_engines(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Engine, Engine, Engine]]:
+) -> Iterator[tuple[Engine, Engine, Engine, Engine]]:
     """A prefill and a decode of a hybrid model (full and sliding-window layers: two KV cache
-    groups sharing memory), UCX, with content digests on, and an engine running vLLM's own
-    NixlConnector; the decodes recompute what they could not load."""
+    groups sharing memory), UCX, with content digests on; an engine running vLLM's own
+    NixlConnector; and a kvxfer engine that pairs with it (NIXL, computing whole prompts as a
+    prefill: `stop_short` false). The decodes recompute what they could not load."""
     _usable_or_skip("ucx", HYBRID_MODEL)
+    _usable_or_skip("nixl", HYBRID_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-hybrid")
     with running(
         [
@@ -201,10 +203,18 @@ def hybrid_engines(
                 transfer_config={"kv_load_failure_policy": "recompute"},
                 env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
             ),
+            Engine(
+                "bridge-hybrid",
+                "1",
+                {"side_channel_port": free_port(), "transport": "nixl", "stop_short": False},
+                logdir,
+                model=HYBRID_MODEL,
+                transfer_config={"kv_load_failure_policy": "recompute"},
+            ),
         ],
         logdir,
-    ) as (p, d, s):
-        yield p, d, s
+    ) as (p, d, s, b):
+        yield p, d, s, b
 
 
 @pytest.fixture(scope="module")

@@ -209,6 +209,7 @@ fn the_vllm_handshake_pairs_over_plain_nixl_metadata() {
                     factors: factors(model),
                     enforce_hash: true,
                     region_names: Vec::new(),
+                    serve_decodes: true,
                 });
                 c.heartbeat_interval = std::time::Duration::from_millis(1);
             }

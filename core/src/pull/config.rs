@@ -18,6 +18,10 @@ pub struct VllmCompat {
     pub enforce_hash: bool,
     /// The layer name of each region, in region order (vLLM's `region_names`).
     pub region_names: Vec<String>,
+    /// Whether stock vLLM decodes may pull from this rank. Off where they would misread
+    /// this engine's hand-off (a hybrid prefill that stops before the last prompt token,
+    /// which vLLM's decode does not expect); kvxfer decodes are unaffected.
+    pub serve_decodes: bool,
 }
 
 /// What the engine should do with a request whose KV cache could not be loaded. kvxfer only

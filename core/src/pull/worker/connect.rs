@@ -11,7 +11,7 @@ use kvxfer_layout::{
     check_compatible,
 };
 
-use super::vllm::{StockPrefill, layout_name, stock_handshake};
+use super::vllm::{StockPrefill, StockRegions, layout_name, stock_handshake};
 use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
 use crate::pull::scheduler::RecvRequest;
@@ -211,11 +211,12 @@ impl<T: Transport> PullWorker<T> {
                     n.kv_cache_layout
                 ));
             }
-            if own.groups.is_some() {
-                problems.push(format!(
-                    "a hybrid cache ({} KV cache groups) does not pair with stock vLLM peers yet",
-                    own.group_count()
-                ));
+            if own.groups.as_ref().is_some_and(LayerGroups::has_state) {
+                problems.push(
+                    "Mamba state beside attention does not pair with stock vLLM peers (vLLM \
+                     registers each state's parts as regions of their own)"
+                        .into(),
+                );
             }
             if n.block_size != own.spec.tokens_per_block() {
                 problems.push(format!(
@@ -314,20 +315,36 @@ impl<T: Transport> PullWorker<T> {
                         meta.block_len
                     ));
                 }
-                if own.groups.is_some() {
+                // A stock vLLM peer's KV cache groups are ours: its compatibility hash
+                // covered the model, and its regions are checked against ours below.
+                let groups = native.and(own.groups.clone());
+                if own.groups.is_some() && native.is_none() {
                     problems.push(format!(
                         "a hybrid cache ({} KV cache groups) does not pair with a peer of the reference protocol",
                         own.group_count()
                     ));
                 }
-                (spec, 0, None)
+                (spec, 0, groups)
             }
         };
-        if spec.num_regions() as usize != meta.kv_caches_base_addr.len() {
+        // A stock peer registers memory that layers of several groups share once; kvxfer
+        // plans with one region per layer.
+        let bases = match native {
+            Some(n) if own.groups.is_some() => {
+                let names = self
+                    .config
+                    .vllm
+                    .as_ref()
+                    .map_or(&[][..], |v| &v.region_names[..]);
+                StockRegions::of(own).expand(n, names)?
+            }
+            _ => meta.kv_caches_base_addr.clone(),
+        };
+        if spec.num_regions() as usize != bases.len() {
             return Err(format!(
                 "{} regions expected, {} base addresses sent",
                 spec.num_regions(),
-                meta.kv_caches_base_addr.len()
+                bases.len()
             ));
         }
         if !problems.is_empty() {
@@ -337,8 +354,8 @@ impl<T: Transport> PullWorker<T> {
             tracing::warn!(rank, problems = %problems.join("; "), "incompatible KV layout (enforcement disabled)");
         }
         match &groups {
-            None => CacheSide::new(&spec, &meta.kv_caches_base_addr, first_layer).map(|_| ()),
-            Some(g) => g.check_regions(&spec, &meta.kv_caches_base_addr),
+            None => CacheSide::new(&spec, &bases, first_layer).map(|_| ()),
+            Some(g) => g.check_regions(&spec, &bases),
         }
         .map_err(|e| e.to_string())?;
         let peer = match native {
@@ -351,7 +368,7 @@ impl<T: Transport> PullWorker<T> {
         let mut remote = RemoteRank {
             peer,
             spec,
-            bases: meta.kv_caches_base_addr.clone(),
+            bases,
             first_layer,
             lease_aware: meta.kvxfer_lease_ms.is_some() || native.is_some(),
             lists: None,

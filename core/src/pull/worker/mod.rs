@@ -131,6 +131,12 @@ struct Native {
     kv_cache_layout: String,
     /// Tokens per block.
     block_size: u32,
+    /// The base of each region, as vLLM registers them (one per distinct memory).
+    bases: Vec<u64>,
+    /// vLLM's `region_group_ids`: each region's KV cache group, -1 where groups share it.
+    region_group_ids: Option<Vec<i64>>,
+    /// vLLM's `region_names`: each region's first layer.
+    region_names: Option<Vec<String>>,
 }
 
 enum Engine {

@@ -22,6 +22,14 @@ impl<T: Transport> PullWorker<T> {
         let (Some(compat), Some(listener)) = (&self.config.vllm, &self.listener) else {
             return;
         };
+        if !compat.serve_decodes {
+            tracing::info!(
+                "stock vLLM decodes cannot pull from this rank: it stops before the last prompt \
+                 token of a sliding-window model, which vLLM's decode does not expect (see \
+                 `stop_short` in the connector's docs)"
+            );
+            return;
+        }
         match self.transport.native_metadata() {
             Ok(native) => {
                 let payload = stock_payload(compat, &self.cache, &self.config, native);
@@ -50,11 +58,19 @@ pub(super) fn stock_payload(
         MemoryKind::Gpu { device } => (device, "VRAM"),
     };
     let blocks = u64::from(spec.num_blocks());
-    let names = (compat.region_names.len() == regions).then(|| compat.region_names.clone());
+    let stock = StockRegions::of(cache);
+    let names = (compat.region_names.len() == regions).then(|| {
+        stock
+            .first
+            .iter()
+            .map(|&r| compat.region_names[r].clone())
+            .collect()
+    });
+    let regions = stock.first.len();
     let meta = AgentMetadata {
         engine_id: config.engine_id.clone(),
         agent_metadata: native,
-        kv_caches_base_addr: cache.bases.clone(),
+        kv_caches_base_addr: stock.first.iter().map(|&r| cache.bases[r]).collect(),
         device_id,
         num_blocks: blocks,
         block_lens: vec![spec.block_len(); regions],
@@ -65,7 +81,7 @@ pub(super) fn stock_payload(
         attn_backend_name: compat.factors.attn_backend_name.clone(),
         physical_blocks_per_logical_kv_block: 1,
         region_num_blocks: Some(vec![blocks; regions]),
-        region_group_ids: Some(vec![0; regions]),
+        region_group_ids: Some(stock.group_ids),
         region_names: names,
         region_mem_types: Some(vec![mem.to_string(); regions]),
         dcp_size: 1,
@@ -79,6 +95,103 @@ pub(super) fn stock_payload(
         agent_metadata_bytes: meta.encode(),
     }
     .encode()
+}
+
+/// How vLLM's NixlConnector registers a cache: one region per distinct memory, in layer
+/// order, each named after its first layer and marked with its layers' KV cache group, or
+/// -1 where layers of several groups share it (the hybrid manager's overlay). kvxfer keeps
+/// one region per layer, an overlaid region's base repeated.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct StockRegions {
+    /// Per stock region, the kvxfer region that introduced it.
+    pub first: Vec<usize>,
+    /// Per kvxfer region, its stock region.
+    pub region_of: Vec<usize>,
+    /// Per stock region, vLLM's `region_group_ids` entry.
+    pub group_ids: Vec<i64>,
+}
+
+/// vLLM's mark of a region that layers of several KV cache groups share.
+const SHARED_GROUP: i64 = -1;
+
+impl StockRegions {
+    /// The stock regions of `cache`.
+    pub fn of(cache: &KvCache) -> Self {
+        let per_layer = cache
+            .spec
+            .num_regions()
+            .checked_div(cache.spec.num_layers())
+            .unwrap_or(1)
+            .max(1) as usize;
+        let group_of = |r: usize| -> i64 {
+            let layer = r.checked_div(per_layer).unwrap_or(0);
+            cache.groups.as_ref().map_or(0, |g| {
+                g.as_slice()
+                    .iter()
+                    .position(|ls| ls.iter().any(|&l| l as usize == layer))
+                    .map_or(SHARED_GROUP, |i| i64::try_from(i).unwrap_or(SHARED_GROUP))
+            })
+        };
+        let mut out = StockRegions {
+            first: Vec::new(),
+            region_of: Vec::with_capacity(cache.bases.len()),
+            group_ids: Vec::new(),
+        };
+        for (r, &base) in cache.bases.iter().enumerate() {
+            let group = group_of(r);
+            match out.first.iter().position(|&f| cache.bases[f] == base) {
+                Some(s) => {
+                    if out.group_ids[s] != group {
+                        out.group_ids[s] = SHARED_GROUP;
+                    }
+                    out.region_of.push(s);
+                }
+                None => {
+                    out.region_of.push(out.first.len());
+                    out.first.push(r);
+                    out.group_ids.push(group);
+                }
+            }
+        }
+        out
+    }
+
+    /// A stock prefill's region bases as kvxfer's regions of this (the decode's) cache: its
+    /// regions must be ours one for one (the same model on the same vLLM overlays the same
+    /// layers), checked by count, by group marks and by layer names where both sides have
+    /// them. `names` are this cache's layer names per kvxfer region.
+    pub fn expand(&self, native: &Native, names: &[String]) -> Result<Vec<u64>, String> {
+        let theirs = &native.bases;
+        if theirs.len() != self.first.len() {
+            return Err(format!(
+                "the prefill registers {} regions, this decode {} (its layers share memory \
+                 otherwise: another model or another KV cache group layout)",
+                theirs.len(),
+                self.first.len()
+            ));
+        }
+        if let Some(groups) = &native.region_group_ids
+            && groups != &self.group_ids
+        {
+            return Err(format!(
+                "KV cache groups of the regions (vLLM's region_group_ids): local {:?}, remote {:?}",
+                first(&self.group_ids),
+                first(groups)
+            ));
+        }
+        if let Some(remote) = &native.region_names
+            && names.len() == self.region_of.len()
+        {
+            let local: Vec<&String> = self.first.iter().map(|&r| &names[r]).collect();
+            if let Some(s) = (0..local.len()).find(|&s| *local[s] != remote[s]) {
+                return Err(format!(
+                    "region {s} is layer {:?} on the prefill, {:?} here",
+                    remote[s], local[s]
+                ));
+            }
+        }
+        Ok(self.region_of.iter().map(|&s| theirs[s]).collect())
+    }
 }
 
 /// vLLM's name of a cache's layout: layers outermost (`LB..`) or blocks outermost (`BL..`,
@@ -115,7 +228,7 @@ pub(super) fn stock_handshake(
         return Err(format!(
             "{} is a stock vLLM prefill, and stock vLLM peers are disabled on this worker (no \
              vLLM compatibility factors to check its hash against: the worker's start-up log \
-             says why, e.g. a hybrid model; outside vLLM kvxfer pairs with kvxfer peers only)",
+             says why, e.g. Mamba state; outside vLLM kvxfer pairs with kvxfer peers only)",
             at.engine_id
         ));
     };
@@ -207,6 +320,9 @@ pub(super) fn fetched(m: AgentMetadata, tp_size: u32) -> Result<Fetched, String>
         regions,
         kv_cache_layout: m.kv_cache_layout,
         block_size: m.block_size,
+        bases: m.kv_caches_base_addr.clone(),
+        region_group_ids: m.region_group_ids,
+        region_names: m.region_names,
     };
     Ok(Fetched {
         meta: HandshakeMeta {
@@ -246,7 +362,7 @@ pub(super) fn expired(expiry: f64, offset: f64, now: f64) -> Option<String> {
     })
 }
 
-fn first(v: &[u64]) -> &[u64] {
+fn first<T>(v: &[T]) -> &[T] {
     &v[..v.len().min(4)]
 }
 
@@ -300,6 +416,7 @@ mod tests {
             region_names: (0..names)
                 .map(|i| format!("model.layers.{i}.self_attn.attn"))
                 .collect(),
+            serve_decodes: true,
         }
     }
 
@@ -346,6 +463,121 @@ mod tests {
         assert_eq!(
             (m.region_names, m.kv_cache_layout.as_str()),
             (None, "LBNHC")
+        );
+    }
+
+    /// A hybrid cache: four layers, full attention (0, 2) and sliding window (1, 3), layer 1
+    /// over layer 0's memory and layer 3 over layer 2's, as vLLM's hybrid manager lays them.
+    fn hybrid() -> KvCache {
+        let mut c = cache(BlockOrder::Hnd);
+        c.spec = CacheSpec::new(CacheParams {
+            num_layers: 4,
+            ..*c.spec.params()
+        })
+        .unwrap();
+        c.bases = vec![0x10_0000, 0x10_0000, 0x90_0000, 0x90_0000];
+        c.total_layers = 4;
+        c.groups = Some(kvxfer_layout::LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4).unwrap());
+        c.check().unwrap();
+        c
+    }
+
+    /// vLLM registers overlaid memory once, marked -1 and named after its first layer; a
+    /// cache of one group keeps a region per kvxfer region, each in group 0.
+    #[test]
+    fn overlaid_regions_are_registered_once_as_vllm_does() {
+        let plain = StockRegions::of(&cache(BlockOrder::Hnd));
+        assert_eq!(
+            plain,
+            StockRegions {
+                first: vec![0, 1],
+                region_of: vec![0, 1],
+                group_ids: vec![0, 0],
+            }
+        );
+        let h = hybrid();
+        let stock = StockRegions::of(&h);
+        assert_eq!(
+            stock,
+            StockRegions {
+                first: vec![0, 2],
+                region_of: vec![0, 0, 1, 1],
+                group_ids: vec![-1, -1],
+            }
+        );
+        // Layers of one group each in a region of its own keep their group.
+        let mut apart = hybrid();
+        apart.bases = vec![0x10_0000, 0x90_0000, 0x110_0000, 0x190_0000];
+        assert_eq!(StockRegions::of(&apart).group_ids, vec![0, 1, 0, 1]);
+        // The payload served: two regions, the names of their first layers.
+        let bytes = stock_payload(&compat(4), &h, &PullConfig::new("p", 0, 1), vec![1]);
+        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
+        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
+        assert_eq!(m.kv_caches_base_addr, vec![0x10_0000, 0x90_0000]);
+        assert_eq!(m.region_group_ids, Some(vec![-1, -1]));
+        assert_eq!(
+            m.region_names.clone().unwrap(),
+            vec![
+                "model.layers.0.self_attn.attn".to_string(),
+                "model.layers.2.self_attn.attn".to_string()
+            ]
+        );
+        assert_eq!(m.block_lens.len(), 2);
+        // Read back by a decode of the same model: one base per layer again.
+        let names = compat(4).region_names;
+        let f = fetched(m, 1).unwrap();
+        let n = f.native.unwrap();
+        assert_eq!(stock.expand(&n, &names).unwrap(), h.bases);
+    }
+
+    /// A stock prefill whose regions are not this decode's, one for one, is refused naming
+    /// what differs.
+    #[test]
+    fn a_stock_prefill_whose_regions_differ_is_refused_by_name() {
+        let h = hybrid();
+        let names = compat(4).region_names;
+        let native =
+            |bases: Vec<u64>, groups: Option<Vec<i64>>, names: Option<Vec<String>>| Native {
+                regions: Vec::new(),
+                kv_cache_layout: "LBHNC".into(),
+                block_size: 32,
+                bases,
+                region_group_ids: groups,
+                region_names: names,
+            };
+        let stock = StockRegions::of(&h);
+        let err = stock
+            .expand(&native(vec![1, 2, 3, 4], None, None), &names)
+            .unwrap_err();
+        assert!(err.contains("registers 4 regions, this decode 2"), "{err}");
+        let err = stock
+            .expand(&native(vec![1, 2], Some(vec![0, 1]), None), &names)
+            .unwrap_err();
+        assert!(err.contains("local [-1, -1], remote [0, 1]"), "{err}");
+        let swapped = vec![names[2].clone(), names[0].clone()];
+        let err = stock
+            .expand(
+                &native(vec![1, 2], Some(vec![-1, -1]), Some(swapped)),
+                &names,
+            )
+            .unwrap_err();
+        assert!(err.contains("region 0 is layer \"model.layers.2"), "{err}");
+        // Without group marks or names, the count decides; names are not compared where this
+        // decode has none.
+        assert_eq!(
+            stock
+                .expand(&native(vec![1, 2], None, None), &names)
+                .unwrap(),
+            vec![1, 1, 2, 2]
+        );
+        assert_eq!(
+            stock
+                .expand(
+                    &native(vec![1, 2], None, Some(vec!["x".into(), "y".into()])),
+                    &[]
+                )
+                .unwrap(),
+            vec![1, 1, 2, 2]
         );
     }
 
