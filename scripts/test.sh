@@ -174,7 +174,7 @@ stage "Python package tests" "$py" -m pytest -q -p no:cacheprovider -rs python/t
 # of a module "setup"), listed for the CI budget.
 # The tensor-parallel pairs first, alone: beside the suite's session-wide engines (pinned to
 # the same two cores) a CPU TP engine stalled for minutes in CI (RELIABILITY.md).
-tp_tests="python/tests_vllm/test_vllm_tp.py python/tests_vllm/test_vllm_push_tp.py"
+tp_tests="python/tests_vllm/test_vllm_tp.py python/tests_vllm/test_vllm_push_tp.py python/tests_vllm/test_vllm_mla_tp.py"
 # shellcheck disable=SC2086
 stage "real vLLM: tensor-parallel pairs, alone" \
     "$vpy" -m pytest -q -p no:cacheprovider -rs --durations=5 $tp_tests

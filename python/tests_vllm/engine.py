@@ -47,7 +47,9 @@ def kv_head_hashes(worker: Any) -> dict[int, dict[int, list[str]]]:
     out: dict[int, dict[int, list[str]]] = {}
     for layer, t in enumerate(worker.model_runner.kv_caches):
         # Heads outside tokens (HND): each head's slice of a block is one contiguous piece.
-        assert t.dim() == 4 and t.stride(1) == t.shape[2] * t.stride(2), (t.shape, t.stride())
+        # (One head, as an MLA latent, is contiguous whatever its stride.)
+        contiguous = t.shape[1] == 1 or t.stride(1) == t.shape[2] * t.stride(2)
+        assert t.dim() == 4 and contiguous, (t.shape, t.stride())
         raw = t.contiguous().view(torch.uint8)  # [blocks, heads, tokens, bytes]
         nonzero = raw.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
         out[layer] = {
