@@ -10,6 +10,7 @@ pub mod copy_pool;
 pub mod digest;
 pub mod host_copy;
 pub mod host_mem;
+pub mod options;
 pub mod plan;
 pub mod pull;
 pub mod push;

@@ -13,6 +13,8 @@ The work happens in Rust (``kvxfer._kvxfer``); this package re-exports it:
   process's rank registered under its own lease, and a watch of one role's engines.
 - :class:`SharedHostMemory` — a host cache in kvxfer shared memory: same-host ``ucx`` agents
   map each other's and copy directly instead of going through the kernel per block.
+- :func:`connector_options` — the vLLM connectors' ``kv_connector_extra_config``, validated,
+  with every default filled in.
 - :func:`ucx_version` — the UCX library the ``ucx`` transport uses in this process, and
   :mod:`kvxfer.ucx` to choose it.
 - The exceptions, all subclasses of :class:`KvxferError`.
@@ -51,6 +53,7 @@ from kvxfer._kvxfer import (  # noqa: E402
     TransferTimeoutError,
     UnknownPeerError,
     __version__,
+    connector_options,
     ucx_version,
 )
 
@@ -81,5 +84,6 @@ __all__ = [
     "TransferTimeoutError",
     "UnknownPeerError",
     "__version__",
+    "connector_options",
     "ucx_version",
 ]

@@ -4,6 +4,11 @@ from typing import Any, Literal
 
 __version__: str
 
+def connector_options(extra_json: str, flow: str) -> str:
+    """``kv_connector_extra_config`` (JSON text) as the vLLM connector of ``flow`` (``"pull"``
+    or ``"push"``) reads it: every option, defaults filled in, as JSON text; raises
+    InvalidArgumentError naming an unknown key or a bad value."""
+
 def ucx_version() -> str:
     """The version of the UCX library the ``ucx`` transport uses in this process, loading it
     (``$KVXFER_UCX_LIBRARY``, else the system's ``libucp.so.0``); raises NotAvailableError."""
@@ -124,6 +129,9 @@ class PullScheduler:
 FailedLoad = tuple[str, list[int], str, Literal["fail", "recompute"]]
 
 class PullWorker:
+    """One TP rank's worker. Settings left ``None`` keep kvxfer-core's defaults (side channel
+    ``127.0.0.1:5600``, lease 30 s, transfer timeout 30 s, handshake timeout 5 s)."""
+
     def __init__(
         self,
         agent_name: str,
@@ -145,14 +153,14 @@ class PullWorker:
         total_layers: int,
         first_layer: int = 0,
         memory: str = "host",
-        side_channel_host: str = "127.0.0.1",
-        side_channel_port: int = 5600,
+        side_channel_host: str | None = None,
+        side_channel_port: int | None = None,
         dp_rank_local: int = 0,
         backend_name: str = "kvxfer",
-        lease: float = 30.0,
+        lease: float | None = None,
         heartbeat_interval: float | None = None,
-        transfer_timeout: float = 30.0,
-        handshake_timeout: float = 5.0,
+        transfer_timeout: float | None = None,
+        handshake_timeout: float | None = None,
         failure_policy: Literal["fail", "recompute"] = "fail",
         enforce_compat: bool = True,
         prepared_lists: bool = True,

@@ -10,7 +10,8 @@ Load it out of tree, on both engines::
         "kv_connector_extra_config": {"side_channel_port": 5600, "transport": "ucx"},
     }
 
-``kv_connector_extra_config`` keys (all optional): ``transport`` (``ucx`` default, or
+``kv_connector_extra_config`` keys (all optional; any other is refused at start-up, naming it,
+so that a typo cannot leave a default in place): ``transport`` (``ucx`` default, or
 ``nixl``), ``side_channel_host`` (``127.0.0.1``; what the worker listeners bind and what the
 prefill advertises), ``side_channel_port`` (5600; TP rank ``r`` of DP rank ``d`` listens on
 ``port + d * tp_size + r``), ``lease`` (seconds the prefill holds unread blocks, 30),
@@ -432,23 +433,23 @@ def state_block(ids: list[int], scratch: int) -> list[int]:
     return ids[keep - 1 : keep]
 
 
-def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
-    """A true/false key of ``kv_connector_extra_config`` (JSON booleans, or the strings
-    ``true``/``false`` a command line gives); anything else is refused, naming the key."""
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"kv_connector_extra_config {key!r}: expected true or false, got {value!r}")
+def connector_options(extra: Any, flow: str) -> dict[str, Any]:
+    """``kv_connector_extra_config`` as the connector of `flow` (``pull`` or ``push``) reads
+    it, every key with its value or default (kvxfer-core's ``options``: the one place that
+    names each key, its type, default and bounds). Raises ValueError naming an unknown key,
+    or a value of the wrong type or out of bounds, so that engine start fails on a typo."""
+    try:
+        return dict(json.loads(kvxfer.connector_options(json.dumps(dict(extra or {})), flow)))
+    except kvxfer.InvalidArgumentError as e:
+        raise ValueError(str(e)) from None
 
 
-def select_transport(extra: dict[str, Any]) -> str:
-    """The transport `kv_connector_extra_config` names (``ucx`` by default), its library
-    loaded: UCX's (``ucx_library``, else NIXL's bundled one or the system's) or NIXL's."""
-    transport = str(extra.get("transport", "ucx"))
+def select_transport(opts: dict[str, Any]) -> str:
+    """The transport the options name, its library loaded: UCX's (``ucx_library``: NIXL's
+    bundled one or the system's by default) or NIXL's."""
+    transport = str(opts["transport"])
     if transport == "ucx":
-        library = kvxfer.ucx.select(str(extra.get("ucx_library", "auto")))
+        library = kvxfer.ucx.select(str(opts["ucx_library"]))
         log.info("kvxfer: UCX %s (%s)", kvxfer.ucx_version(), library or "the system's")
     elif transport == "nixl":
         log.info("kvxfer: NIXL runtime %s (%s)", *kvxfer.nixl.select())
@@ -496,14 +497,12 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None  # the base class raised otherwise
-        extra = dict(ktc.kv_connector_extra_config or {})
+        opts = connector_options(ktc.kv_connector_extra_config, "pull")
         self._engine_id = str(ktc.engine_id)
-        self._host = str(extra.get("side_channel_host", "127.0.0.1"))
-        self._port = int(extra.get("side_channel_port", 5600))
-        self._extra = extra
-        self._idle_wait = float(extra.get("idle_wait", 0.005))
-        if not 0.0 <= self._idle_wait <= 1.0:  # NaN too
-            raise ValueError(f"kvxfer: idle_wait {self._idle_wait}: expected 0 to 1 seconds")
+        self._host = str(opts["side_channel_host"])
+        self._port = int(opts["side_channel_port"])
+        self._extra = opts
+        self._idle_wait = float(opts["idle_wait"])
         self._failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         sched = vllm_config.scheduler_config
         self._hma = not getattr(sched, "disable_hybrid_kv_cache_manager", False)
@@ -520,7 +519,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         # Both make the prefill stop one token short (see `_stop_before_last_token`); with a
         # sliding window, `stop_short: false` computes the whole prompt as vLLM's
         # NixlConnector does, so that stock decodes can pull from this prefill.
-        self._stop_short = _flag(extra, "stop_short", True)
+        self._stop_short = bool(opts["stop_short"])
         self._stops_short = (self._sliding and self._stop_short) or self._state
         self._scheduler: kvxfer.PullScheduler | None = None
         self._worker: kvxfer.PullWorker | None = None
@@ -830,11 +829,11 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         tp_rank = get_tensor_model_parallel_rank()
         e = self._extra
         vllm_compat = None
-        if self._state and bool(e.get("vllm_peers", True)):
+        if self._state and bool(e["vllm_peers"]):
             log.warning(
                 "kvxfer: stock vLLM peers disabled: Mamba state pairs with kvxfer peers only"
             )
-        elif bool(e.get("vllm_peers", True)):
+        elif bool(e["vllm_peers"]):
             import vllm
 
             names = sorted(kv_caches, key=_layer_key)
@@ -854,7 +853,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                     vllm.__version__,
                     _backend_name(cfg, names[0]),
                     names,
-                    bool(e.get("enforce_handshake_compat", True)),
+                    bool(e["enforce_handshake_compat"]),
                     serve_decodes=serve,
                 )
             except ValueError as err:
@@ -873,15 +872,15 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             side_channel_port=self._port,
             dp_rank_local=int(getattr(par, "data_parallel_rank_local", 0) or 0),
             backend_name="vllm-packed-kv",
-            lease=float(e.get("lease", 30.0)),
-            transfer_timeout=float(e.get("transfer_timeout", 30.0)),
-            handshake_timeout=float(e.get("handshake_timeout", 5.0)),
+            lease=float(e["lease"]),
+            transfer_timeout=float(e["transfer_timeout"]),
+            handshake_timeout=float(e["handshake_timeout"]),
             failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
-            enforce_compat=bool(e.get("enforce_compat", True)),
+            enforce_compat=bool(e["enforce_compat"]),
             vllm_compat=vllm_compat,
             groups=groups,
             state_groups=state_groups,
-            digest=_flag(e, "digest", False),
+            digest=bool(e["digest"]),
             **layout,
         )
         log.info(
@@ -893,7 +892,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             layout["num_blocks"],
             self._worker.listener_port(),
         )
-        if e.get("discovery"):
+        if e["discovery"]:
             self._discover(str(e["discovery"]), tp_rank)
 
     def _discover(self, url: str, tp_rank: int) -> None:
@@ -903,7 +902,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         e = self._extra
         par = self._vllm_config.parallel_config
         worker = self._live_worker()
-        cluster = str(e.get("cluster", "default"))
+        cluster = str(e["cluster"])
         role = "decode" if self._kv_role == "kv_consumer" else "prefill"
         pp_rank = int(get_pp_group().rank_in_group)
         self._registration = kvxfer.Registration(
@@ -916,7 +915,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             f"{self._host}:{worker.listener_port()}",
             worker.instance(),
             worker.layout_digest(),
-            ttl=float(e.get("lease_ttl", 10.0)),
+            ttl=float(e["lease_ttl"]),
         )
         if self._kv_role in ("kv_consumer", "kv_both"):
             self._fleet = kvxfer.FleetWatch(url, cluster, "prefill")

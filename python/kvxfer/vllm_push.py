@@ -22,8 +22,10 @@ Operators switch to it with ``kv_connector: KvxferPushConnector`` (module ``kvxf
 ``kv_connector_extra_config`` takes the pull connector's ``transport``, ``ucx_library``,
 ``side_channel_host`` and ``side_channel_port`` (the prefill's registry: what a router
 passes to the decode as ``remote_host`` / ``remote_port``), plus ``bootstrap_timeout`` and
-``waiting_timeout`` (seconds). A router posts the decode first with ``{"do_remote_prefill":
-true, "remote_host", "remote_port", ...}`` and then the prefill with ``{"do_remote_decode":
+``waiting_timeout`` (seconds), ``layerwise`` and ``layerwise_min_tokens``; any other key is
+refused at start-up, naming it (kvxfer-core's ``options`` defines each key). A router
+posts the decode first with ``{"do_remote_prefill": true, "remote_host", "remote_port",
+...}`` and then the prefill with ``{"do_remote_decode":
 true}``, under the same request id (as for NixlPushConnector): both ends name the room
 after it, without vLLM's random ``-<8 hex>`` suffix.
 
@@ -52,10 +54,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import kvxfer
 from kvxfer.vllm import (
     _HANDED_OFF,
-    _flag,
     _held,
     _layer_key,
     cache_groups,
+    connector_options,
     describe_engine_cache,
     select_transport,
 )
@@ -73,9 +75,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvxfer")
-# Prompts shorter than this go whole after their last step (measured: docs/vllm.md, "The
-# push flow"; between 32 tokens, where streaming cost more than it saved, and 64).
-LAYERWISE_MIN_TOKENS = 48
 
 # kvxfer's room states (SGLang's KVPoll values).
 _FAILED, _SUCCESS = 0, 4
@@ -157,17 +156,17 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        extra = dict(ktc.kv_connector_extra_config or {})
-        self._extra = extra
+        opts = connector_options(ktc.kv_connector_extra_config, "push")
+        self._extra = opts
         self._engine_id = str(ktc.engine_id)
-        self._host = str(extra.get("side_channel_host", "127.0.0.1"))
+        self._host = str(opts["side_channel_host"])
         par = vllm_config.parallel_config
         dp = int(getattr(par, "data_parallel_rank_local", 0) or 0)
-        self._port = int(extra.get("side_channel_port", 5600)) + dp
+        self._port = int(opts["side_channel_port"]) + dp
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._idle_wait = float(extra.get("idle_wait", 0.005))
+        self._idle_wait = float(opts["idle_wait"])
         # How long either side waits for the other to show up for a request.
-        self._bootstrap_timeout = float(extra.get("bootstrap_timeout", 30.0))
+        self._bootstrap_timeout = float(opts["bootstrap_timeout"])
         if kv_cache_config is not None:
             groups = cache_groups(kv_cache_config, self._block_size)
             if len(groups) != 1 or groups[0].window is not None or groups[0].state:
@@ -184,8 +183,8 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         self._sending: set[str] = set()  # requests whose blocks wait for a room to end
         self._stop: list[Stop] = []
         # Layer-by-layer streaming (prefill): which requests stream, how far each got.
-        self._layerwise = _flag(extra, "layerwise", True)
-        self._layerwise_min_tokens = int(extra.get("layerwise_min_tokens", LAYERWISE_MIN_TOKENS))
+        self._layerwise = bool(opts["layerwise"])
+        self._layerwise_min_tokens = int(opts["layerwise_min_tokens"])
         self._streams_plan = StreamPlan(self._block_size)
         # Worker side.
         self._registry: kvxfer.PushRegistry | None = None
@@ -373,7 +372,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             layout,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            waiting_timeout=float(e.get("waiting_timeout", 300.0)),
+            waiting_timeout=float(e["waiting_timeout"]),
             bootstrap_timeout=self._bootstrap_timeout,
         )
         if tp_rank == 0:

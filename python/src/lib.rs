@@ -26,6 +26,26 @@ fn ucx_version(py: Python<'_>) -> PyResult<String> {
         .map_err(errors::transport)
 }
 
+/// `kv_connector_extra_config` (JSON text) as the vLLM connector of `flow` (`"pull"` or
+/// `"push"`) reads it: every option, defaults filled in, as JSON text. Raises
+/// InvalidArgumentError naming an unknown key or a value of the wrong type or out of bounds.
+#[pyfunction]
+fn connector_options(extra_json: &str, flow: &str) -> PyResult<String> {
+    use kvxfer_core::options::{ConnectorOptions, Flow};
+    let flow = match flow {
+        "pull" => Flow::Pull,
+        "push" => Flow::Push,
+        other => {
+            return Err(errors::InvalidArgumentError::new_err(format!(
+                "flow {other:?}: expected \"pull\" or \"push\""
+            )));
+        }
+    };
+    ConnectorOptions::parse(extra_json, flow)
+        .map(|o| o.to_json())
+        .map_err(errors::InvalidArgumentError::new_err)
+}
+
 /// Sends the core's logs to stderr, where engines collect their workers' output: warnings
 /// by default, or what `KVXFER_LOG` asks (a `RUST_LOG`-style filter, e.g. `kvxfer_core=debug`).
 /// A process that already installed a subscriber keeps it.
@@ -47,6 +67,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    m.add_function(wrap_pyfunction!(connector_options, m)?)?;
     m.add_class::<agent::Agent>()?;
     m.add_class::<shared_memory::SharedHostMemory>()?;
     m.add_class::<pull::PullScheduler>()?;

@@ -198,9 +198,9 @@ impl PullWorker {
     #[pyo3(signature = (
         agent_name, transport, *, engine_id, tp_rank, tp_size, kind, order, dtype, num_layers,
         kv_heads, head_dim, tokens_per_block, num_blocks, bases, total_kv_heads, total_layers,
-        first_layer = 0, memory = "host", side_channel_host = "127.0.0.1",
-        side_channel_port = 5600, dp_rank_local = 0, backend_name = "kvxfer", lease = 30.0,
-        heartbeat_interval = None, transfer_timeout = 30.0, handshake_timeout = 5.0,
+        first_layer = 0, memory = "host", side_channel_host = None, side_channel_port = None,
+        dp_rank_local = 0, backend_name = "kvxfer", lease = None, heartbeat_interval = None,
+        transfer_timeout = None, handshake_timeout = None,
         failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None,
         groups = None, state_groups = None, digest = false
     ))]
@@ -225,14 +225,14 @@ impl PullWorker {
         total_layers: u32,
         first_layer: u32,
         memory: &str,
-        side_channel_host: &str,
-        side_channel_port: u16,
+        side_channel_host: Option<&str>,
+        side_channel_port: Option<u16>,
         dp_rank_local: u32,
         backend_name: &str,
-        lease: f64,
+        lease: Option<f64>,
         heartbeat_interval: Option<f64>,
-        transfer_timeout: f64,
-        handshake_timeout: f64,
+        transfer_timeout: Option<f64>,
+        handshake_timeout: Option<f64>,
         failure_policy: &str,
         enforce_compat: bool,
         prepared_lists: bool,
@@ -277,18 +277,29 @@ impl PullWorker {
                 "tp_rank {tp_rank} of tp_size {tp_size}"
             )));
         }
+        // Settings left out keep the core's defaults (`PullConfig::new`).
         let mut config = PullConfig::new(engine_id, tp_rank, tp_size);
         config.dp_rank_local = dp_rank_local;
-        config.side_channel_host = side_channel_host.into();
-        config.side_channel_port = side_channel_port;
+        if let Some(host) = side_channel_host {
+            config.side_channel_host = host.into();
+        }
+        if let Some(port) = side_channel_port {
+            config.side_channel_port = port;
+        }
         config.backend_name = backend_name.into();
-        config.lease = seconds("lease", lease)?;
+        if let Some(s) = lease {
+            config.lease = seconds("lease", s)?;
+        }
         config.heartbeat_interval = match heartbeat_interval {
             Some(s) => seconds("heartbeat_interval", s)?,
             None => config.lease / 6,
         };
-        config.transfer_timeout = seconds("transfer_timeout", transfer_timeout)?;
-        config.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
+        if let Some(s) = transfer_timeout {
+            config.transfer_timeout = seconds("transfer_timeout", s)?;
+        }
+        if let Some(s) = handshake_timeout {
+            config.handshake_timeout = seconds("handshake_timeout", s)?;
+        }
         config.failure_policy = match failure_policy {
             "fail" => FailurePolicy::Fail,
             "recompute" => FailurePolicy::Recompute,

@@ -39,7 +39,7 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kvxfer-push": ("KvxferPushConnector", "push", {"layerwise": True}),
     "kvxfer-push-after": ("KvxferPushConnector", "push", {"layerwise": False}),
     "nixl-push": ("NixlPushConnector", "push", {}),
-    "kvxfer-pull": ("KvxferConnector", "pull", {}),
+    "kvxfer-pull": ("KvxferConnector", "pull", {"lease": 600}),
 }
 
 
@@ -60,7 +60,7 @@ def run_config(name: str, a: argparse.Namespace, logdir: Path) -> dict[str, Any]
         extra: dict[str, Any] = (
             {"kv_lease_duration": 600}
             if cls.startswith("Nixl")
-            else {"transport": "ucx", "side_channel_port": port, "lease": 600, **config_extra}
+            else {"transport": "ucx", "side_channel_port": port, **config_extra}
         )
         return Engine(
             f"{role}-{name}",
