@@ -11,7 +11,8 @@ mod config;
 pub mod digests;
 pub mod holds;
 mod metrics;
-pub mod notify;
+/// The notes between pull workers (in `wire`, with the other formats).
+pub use crate::wire::pull_notes as notify;
 mod scheduler;
 pub mod stamps;
 mod worker;

@@ -4,22 +4,25 @@
 
 mod buffers;
 mod decode;
-pub mod decode_room;
 pub mod digests;
 mod directory;
 #[cfg(feature = "etcd")]
 mod etcd_directory;
-pub mod messages;
+/// The push connector's messages and notes (in `wire`, with the other formats).
+pub use crate::wire::push_messages as messages;
 mod prefill;
-pub mod prefill_room;
 mod registry;
 mod status;
 
 pub use buffers::{PushBuffers, StateKind};
+/// The decode's room state machine (public for the fuzz targets), in its driver's folder.
+pub use decode::room as decode_room;
 pub use decode::{PushDecode, PushDecodeConfig, PushDecodeMetrics};
 pub use directory::{Addr, PrefillDirectory, RegistryDirectory};
 #[cfg(feature = "etcd")]
 pub use etcd_directory::{EtcdDirectory, push_records};
+/// The prefill's room state machine (public for the fuzz targets), in its driver's folder.
+pub use prefill::room as prefill_room;
 pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig};
 pub use registry::{BootstrapRegistry, ask_registry};
 pub use status::RoomStatus;

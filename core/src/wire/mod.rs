@@ -6,6 +6,8 @@
 
 pub mod handshake;
 pub mod params;
+pub mod pull_notes;
+pub mod push_messages;
 pub mod vllm;
 
 use thiserror::Error;

@@ -16,7 +16,6 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::HeadSharding;
 
 use super::buffers::PushBuffers;
-use super::decode_room::{DecodeRoom, WriterCheck};
 use super::digests::{PageDigests, Pending};
 use super::directory::{PrefillDirectory, RegistryDirectory};
 use super::messages::{self, PushNote, RankInfo, RegisterArgs, RoomRequest};
@@ -24,8 +23,10 @@ use super::status::RoomStatus;
 use crate::clock::Clock;
 use crate::tally::Tally;
 use crate::transport::{Registration, Transport};
+use room::{DecodeRoom, WriterCheck};
 
 mod control;
+pub mod room;
 use crate::wire::handshake::LayoutWire;
 use control::{Addr, Control, Done, Job};
 

@@ -19,7 +19,6 @@ use super::messages::{
     self, FromPrefill, FromRegistry, MAX_MESSAGE_BYTES, RankInfo, RegisterArgs, RoomRequest,
     ToPrefill, ToRegistry,
 };
-use super::prefill_room::PrefillRoom;
 use super::registry::ask_registry;
 use super::status::RoomStatus;
 use crate::clock::Clock;
@@ -27,8 +26,10 @@ use crate::sidechannel::MessageServer;
 use crate::sidechannel::auth::Destination;
 use crate::tally::Tally;
 use crate::transport::{AddrRange, PeerId, Registration, Transport, XferStatus};
+use room::PrefillRoom;
 
 mod decodes;
+pub mod room;
 mod send;
 
 /// Settings of a prefill rank.

@@ -5,11 +5,11 @@
 
 use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
 
+use super::room::Chunk;
 use super::{PushError, PushPrefill};
 use crate::plan::split_for;
 use crate::push::digests::{Coverage, PageDigests};
 use crate::push::messages::{self, BufferWire, RoomRequest};
-use crate::push::prefill_room::Chunk;
 use crate::tally::Tally;
 use crate::transport::{AddrRange, MemoryKind, Op, Transport, XferId};
 

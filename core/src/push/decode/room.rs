@@ -1,6 +1,6 @@
 //! One room on the decode side of the push connector, without I/O: who must write into this
 //! decode rank (from the prefill's layout), which chunk, aux, state and abort notes arrived
-//! from whom, and when the room succeeds, fails or times out. [`super::PushDecode`] feeds it
+//! from whom, and when the room succeeds, fails or times out. [`crate::push::PushDecode`] feeds it
 //! from its control thread and transport; the `push_decode_room` fuzz target drives it with
 //! arbitrary layouts and notes.
 //!
@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use kvxfer_layout::{HeadSharding, LinkKind, TpMapping};
 
-use super::digests::Coverage;
-use super::messages::{PushNote, RankInfo};
-use super::status::RoomStatus;
+use crate::push::digests::Coverage;
+use crate::push::messages::{PushNote, RankInfo};
+use crate::push::status::RoomStatus;
 
 /// A writer of this decode rank's data: prefill agent and its PP stage.
 type Writer = (String, u32);

@@ -5,8 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::wire::handshake::LayoutWire;
-use crate::wire::{WireError, check_size};
+use super::handshake::LayoutWire;
+use super::{WireError, check_size};
 
 /// Largest control message accepted (agent metadata of large registrations included).
 pub const MAX_MESSAGE_BYTES: usize = 32 << 20;

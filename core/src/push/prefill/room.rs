@@ -1,7 +1,7 @@
 //! One room on the prefill side of the push connector, without I/O: the engine's side (how
 //! many pages, aux and state indices), the decode destinations that asked for it, the
 //! chunks sent so far and the WRITEs in flight, and the status they add up to.
-//! [`super::PushPrefill`] validates what decodes send, posts the WRITEs and polls them; the
+//! [`crate::push::PushPrefill`] validates what decodes send, posts the WRITEs and polls them; the
 //! `push_prefill_room` fuzz target drives a room directly.
 //!
 //! Public for the fuzz targets; engines use [`PushPrefill`](crate::push::PushPrefill).
@@ -11,10 +11,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use super::digests::Fold;
-use super::messages::RoomRequest;
-use super::prefill::PushError;
-use super::status::RoomStatus;
+use super::PushError;
+use crate::push::digests::Fold;
+use crate::push::messages::RoomRequest;
+use crate::push::status::RoomStatus;
 use crate::tally::Tally;
 use crate::transport::XferId;
 

@@ -1,4 +1,5 @@
-//! Notification messages between decode and prefill workers.
+//! The pull connector's notifications between decode and prefill workers (read notes, lease
+//! heartbeats, vLLM's `HB:` heartbeats).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
