@@ -131,12 +131,39 @@ class Commands:
         return line.decode()
 
 
+def calm_shm_readers(_worker: Any = None) -> None:
+    """Makes this process's readers of vLLM's shared-memory queues sleep on their socket at
+    once instead of busy-waiting (sched_yield) for 1 s after each message. A TP engine's
+    workers read one message per engine step: while a request waits for its KV the engine
+    steps back to back, and each worker then spins a whole core. On a host of its own that
+    buys latency; beside other engines pinned to the same two cores it starved them for
+    minutes (the "CPU TP stall" of RELIABILITY.md). vLLM's wake-up through the socket is
+    sometimes missed (its readers then recheck after 5 s): they recheck every 10 ms here.
+    Runs in the engine's process and, through `collective_rpc`, in each worker's (vLLM
+    spawns them)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 10
+    cls: Any = shm_broadcast.SpinCondition
+    if getattr(cls, "_kvxfer_calm", False):
+        return
+    wait = cls.wait
+
+    def calm_wait(self: Any, timeout_ms: int | None = None) -> None:
+        self.busy_loop_s = 0
+        wait(self, timeout_ms)
+
+    cls.wait = calm_wait
+    cls._kvxfer_calm = True
+
+
 def main() -> None:
     role, model = sys.argv[1], sys.argv[2]
     opts, ktc = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    calm_shm_readers()
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -159,6 +186,8 @@ def main() -> None:
             else {}
         ),
     )
+    if int(opts.get("tp", 1)) > 1:
+        llm.collective_rpc(calm_shm_readers)
     engine = llm.llm_engine
     reply({"ready": role})
     n = 0

@@ -23,13 +23,14 @@ def prompt(seed: int, length: int) -> list[int]:
     return random.Random(seed).choices(range(3, 1000), k=length)
 
 
-def prefill(p: Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+def prefill(p: Engine, prompts: list[list[int]], timeout: float = 120) -> list[dict[str, Any]]:
     out = p.call(
         {
             "op": "generate",
             "max_tokens": 1,
             "requests": [{"prompt": x, "params": {"do_remote_decode": True}} for x in prompts],
-        }
+        },
+        timeout=timeout,
     )
     for o in out:
         assert o["params"] and o["params"]["do_remote_prefill"], o
