@@ -423,6 +423,22 @@ def _state_group(spec: Any, layers: tuple[str, ...]) -> CacheGroup:
     return CacheGroup(layers, None, state=True, scratch=int(spec.num_speculative_blocks))
 
 
+def drop_last_prompt_token(request: Request) -> None:
+    """A prefill request computes its prompt but the last token (once; a prompt of one
+    token is left whole), and ends there: the decode computes that token itself."""
+    params = request.kv_transfer_params
+    ids = request.prompt_token_ids
+    if params is None or params.get("_kvxfer_stopped_short"):
+        return
+    if ids is None or len(ids) < 2:
+        return
+    del ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["_kvxfer_stopped_short"] = True
+
+
 def state_block(ids: list[int], scratch: int) -> list[int]:
     """A state group's block that holds the request's running state: the last one before
     the `scratch` speculative slots (none before vLLM allocated any)."""
@@ -578,17 +594,8 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         whenever the window starts a block. Mamba: the decode needs the state before the
         last token, to compute that token's output on it (vLLM's NixlConnector stops short
         the same way)."""
-        params = request.kv_transfer_params
-        ids = request.prompt_token_ids
-        if not self._stops_short or params is None or params.get("_kvxfer_stopped_short"):
-            return
-        if ids is None or len(ids) < 2:
-            return
-        del ids[-1]
-        del request._all_token_ids[-1]
-        request.num_prompt_tokens -= 1
-        request.max_tokens = 1
-        params["_kvxfer_stopped_short"] = True
+        if self._stops_short:
+            drop_last_prompt_token(request)
 
     def _load_end(self, prompt_len: int) -> int:
         """The prompt tokens a decode loads: all, or with a sliding-window group or Mamba

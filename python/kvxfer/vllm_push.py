@@ -29,10 +29,15 @@ posts the decode first with ``{"do_remote_prefill": true, "remote_host", "remote
 true}``, under the same request id (as for NixlPushConnector): both ends name the room
 after it, without vLLM's random ``-<8 hex>`` suffix.
 
-Supported today: one full-attention KV cache group (dense models, host memory); a hybrid,
-sliding-window or Mamba model is refused at start-up with the reason (use KvxferConnector,
-which pulls). The decode's blocks go back to vLLM only once no prefill rank can still write
-into them (a room aborted with the request is drained first).
+Supported today: dense models, and hybrid and sliding-window models (full and
+sliding-window attention layers in several KV cache groups, vLLM's hybrid KV cache manager
+on): each group's blocks are written by position into the decode's blocks of that group
+(`kvxfer.vllm_groups`), whole pages after the prefill's last step (not layer by layer), and
+with a sliding window the prefill stops one token short, which the decode computes itself,
+so that no block the decode's window reads is freed on either side. A Mamba model is refused
+at start-up with the reason (use KvxferConnector, which pulls). Host memory. The decode's
+blocks go back to vLLM only once no prefill rank can still write into them (a room aborted
+with the request is drained first).
 """
 
 from __future__ import annotations
@@ -49,18 +54,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 import kvxfer
 from kvxfer.vllm import (
     _HANDED_OFF,
+    CacheGroup,
     _held,
     _layer_key,
     cache_groups,
     connector_options,
     describe_engine_cache,
+    drop_last_prompt_token,
     select_transport,
 )
+from kvxfer.vllm_groups import decode_pages, prefill_pages
 from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats, StatsHooks
 from kvxfer.vllm_streams import StepPages, Stop, StreamPlan, pages_for
 
@@ -92,15 +101,19 @@ def room_of(request_id: str) -> int:
 @dataclass
 class PushStepMetadata(KVConnectorMetadata):
     """One scheduler step for the workers. `open`: decode rooms to open (request, room,
-    registry host and port, the decode's blocks, prompt tokens its own cache holds);
-    `send`: prefill rooms to write, or whose streaming ended (request, room, the prefill's
-    blocks); `abort`: decode rooms whose request ended first (request, room); `stream`: the
-    pages prefill requests complete in this step, streamed layer by layer; `stop`: prefill
-    rooms to abort (request, room, whether the request ended: its blocks are reported once
-    the room stopped; a preempted one runs on); `idle`: the step scheduled no token."""
+    registry host and port, the decode's blocks, prompt tokens its own cache holds, how
+    many blocks are each KV cache group's or None for one group); `send`: prefill rooms to
+    write, or whose streaming ended (request, room, the prefill's blocks, and in KV cache
+    groups each group's blocks by position instead); `abort`: decode rooms whose request
+    ended first (request, room); `stream`: the pages prefill requests complete in this step,
+    streamed layer by layer; `stop`: prefill rooms to abort (request, room, whether the
+    request ended: its blocks are reported once the room stopped; a preempted one runs on);
+    `idle`: the step scheduled no token."""
 
-    open: list[tuple[str, int, str, int, list[int], int]] = field(default_factory=list)
-    send: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    open: list[tuple[str, int, str, int, list[int], int, list[int] | None]] = field(
+        default_factory=list
+    )
+    send: list[tuple[str, int, list[int], list[list[int]] | None]] = field(default_factory=list)
     abort: list[tuple[str, int]] = field(default_factory=list)
     stream: list[StepPages] = field(default_factory=list)
     stop: list[Stop] = field(default_factory=list)
@@ -132,16 +145,18 @@ class _Job:
 
 @dataclass
 class _Send:
-    """A prefill room on a worker: its request and blocks, when the scheduler handed it over
-    (`time.monotonic`); `sent` once its WRITEs posted."""
+    """A prefill room on a worker: its request and blocks (in KV cache groups: each group's
+    blocks by position, in `groups`), when the scheduler handed it over (`time.monotonic`);
+    `sent` once its WRITEs posted."""
 
     req: str
     pages: list[int]
     since: float
     sent: bool = False
+    groups: list[list[int]] | None = None
 
 
-class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
+class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector for the push flow (the decode asks, the prefill WRITEs)."""
 
     stats_class = KvxferPushStats
@@ -167,17 +182,24 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         self._idle_wait = float(opts["idle_wait"])
         # How long either side waits for the other to show up for a request.
         self._bootstrap_timeout = float(opts["bootstrap_timeout"])
+        self._groups: list[CacheGroup] = []
+        self._transfer_ids: tuple[int, ...] = (0,)
         if kv_cache_config is not None:
-            groups = cache_groups(kv_cache_config, self._block_size)
-            if len(groups) != 1 or groups[0].window is not None or groups[0].state:
+            self._groups = cache_groups(kv_cache_config, self._block_size)
+            self._transfer_ids = tuple(kv_cache_config.transfer_group_ids)
+            if any(g.state for g in self._groups):
                 raise ValueError(
-                    "kvxfer push: one full-attention KV cache group only for now (this model "
-                    f"has {len(groups)} groups, sliding-window or Mamba ones among them); "
-                    "KvxferConnector (pull) moves hybrid, sliding-window and Mamba caches"
+                    "kvxfer push: Mamba state is not supported in push mode yet; "
+                    "KvxferConnector (pull) moves Mamba caches"
                 )
+        # A sliding window: the prefill stops before the last prompt token, which the decode
+        # computes (no block the decode's window reads is freed). Several groups or a window:
+        # each group's blocks move by position, whole pages after the step.
+        self._sliding = any(g.window is not None for g in self._groups)
+        self._grouped = len(self._groups) > 1 or self._sliding
         # Scheduler side.
-        self._open: list[tuple[str, int, str, int, list[int], int]] = []
-        self._send: list[tuple[str, int, list[int]]] = []
+        self._open: list[tuple[str, int, str, int, list[int], int, list[int] | None]] = []
+        self._send: list[tuple[str, int, list[int], list[list[int]] | None]] = []
         self._abort: list[tuple[str, int]] = []
         self._receiving: dict[str, int] = {}  # decode requests waiting for their room
         self._sending: set[str] = set()  # requests whose blocks wait for a room to end
@@ -211,10 +233,17 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self._sliding:
+            drop_last_prompt_token(request)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        count = self._load_end(len(request.prompt_token_ids or [])) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _load_end(self, prompt: int) -> int:
+        """The prompt tokens a decode receives: all, or with a sliding window all but the
+        last, which it computes (the prefill stopped before it)."""
+        return prompt - 1 if self._sliding and prompt > 1 else prompt
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -225,6 +254,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             params
             and params.get("do_remote_decode")
             and self._layerwise
+            and not self._grouped
             and prompt >= max(1, self._layerwise_min_tokens)
         ):
             self._streams_plan.track(request.request_id, room_of(request.request_id), prompt)
@@ -234,13 +264,27 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             return
-        cached = prompt - num_external_tokens
-        ids = _held(list(blocks.get_unhashed_block_ids_all_groups()[0]))
+        loaded = self._load_end(prompt)
+        cached = loaded - num_external_tokens
         # The blocks of the tokens the prefill writes: those past the ones cached here.
-        first, end = cached // self._block_size, pages_for(prompt, self._block_size)
-        pages = ids[: end - first] if cached % self._block_size == 0 else []
+        first, end = cached // self._block_size, pages_for(loaded, self._block_size)
+        counts: list[int] | None = None
+        if self._grouped:
+            ids = blocks.get_block_ids()
+            try:
+                pages, counts = decode_pages([ids[i] for i in self._transfer_ids], first, end)
+            except ValueError as e:
+                log.warning("request %s: %s", request.request_id, e)
+                pages = []
+            if cached % self._block_size:
+                pages = []
+            expected = len(pages)
+        else:
+            held = _held(list(blocks.get_unhashed_block_ids_all_groups()[0]))
+            pages = held[: end - first] if cached % self._block_size == 0 else []
+            expected = end - first
         host, port = params.get("remote_host"), params.get("remote_port")
-        if not pages or len(pages) != end - first or not isinstance(port, int) or not host:
+        if not pages or len(pages) != expected or not isinstance(port, int) or not host:
             log.warning(
                 "request %s: cannot open a push room (registry %r:%r, %d of %d blocks, "
                 "%d tokens cached); its load fails",
@@ -251,9 +295,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
                 end - first,
                 cached,
             )
-            host, port, pages = "", 0, []
+            host, port, pages, counts = "", 0, [], None
         room = room_of(request.request_id)
-        self._open.append((request.request_id, room, str(host), int(port), pages, cached))
+        self._open.append((request.request_id, room, str(host), int(port), pages, cached, counts))
         self._receiving[request.request_id] = room
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -296,6 +340,20 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, list(block_ids), None)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not self._grouped:
+            return self._finished(request, list(block_ids[0]), None)
+        return self._finished(request, [], [list(block_ids[i]) for i in self._transfer_ids])
+
+    def _finished(
+        self, request: Request, block_ids: list[int], groups: list[list[int]] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's blocks (one group), or `groups`: each KV cache group's
+        blocks by position."""
         rid = request.request_id
         room = self._receiving.pop(rid, None)
         if room is not None:
@@ -316,16 +374,24 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
         if not params or not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
             return False, None
         n = pages_for(len(request.prompt_token_ids or []), self._block_size)
-        pages = _held(list(block_ids))[:n]
-        if len(pages) != n:
-            log.warning("request %s: %d of its %d prompt blocks held", rid, len(pages), n)
-            return False, None
-        self._send.append((rid, room_of(rid), pages))
+        if groups is not None:
+            # Each group's blocks up to the last prompt token's, by position.
+            groups = [g[:n] for g in groups]
+            if any(len(g) != n for g in groups):
+                log.warning("request %s: fewer than its %d prompt blocks held", rid, n)
+                return False, None
+            pages: list[int] = []
+        else:
+            pages = _held(list(block_ids))[:n]
+            if len(pages) != n:
+                log.warning("request %s: %d of its %d prompt blocks held", rid, len(pages), n)
+                return False, None
+        self._send.append((rid, room_of(rid), pages, groups))
         self._sending.add(rid)
         # For the client, as NixlPushConnector answers: what was handed off, and where.
         return True, {
             "kvxfer_room": room_of(rid),
-            "remote_block_ids": pages,
+            "remote_block_ids": pages if groups is None else groups,
             "remote_num_tokens": request.num_computed_tokens,
         }
 
@@ -351,8 +417,23 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             get_tensor_model_parallel_rank(),
             cfg.parallel_config.tensor_parallel_size,
         )
+        if self._groups:
+            # Only the transfer groups' layers move (vLLM rebuilds the others itself).
+            moved = {name for g in self._groups for name in g.layers}
+            kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
         layout = describe_engine_cache(kv_caches, cfg)
         names = sorted(kv_caches, key=_layer_key)
+        if self._grouped:
+            # Each group's blocks move through its own layers; layers of different groups
+            # share memory (vLLM's overlay), registered once.
+            index = {n: i for i, n in enumerate(names)}
+            layout["groups"] = [sorted(index[n] for n in g.layers) for g in self._groups]
+            if self._layerwise:
+                log.info(
+                    "kvxfer push: %d KV cache groups: pages are written once the prefill "
+                    "ends, not layer by layer",
+                    len(self._groups),
+                )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._num_layers = len(names)
         self._cross_layer = layout["kind"] == "cross-layer"
@@ -424,12 +505,14 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
 
     def _take_step(self, meta: PushStepMetadata) -> None:
         assert self._decode is not None and self._prefill is not None
-        for rid, room, host, port, pages, cached in meta.open:
+        for rid, room, host, port, pages, cached, counts in meta.open:
             self._recv_rooms[room] = (rid, pages)
             if not pages:
                 continue  # failed in the scheduler: reported at the next poll
             try:
-                self._decode.add_room(room, (host, port), pages, prefix_tokens=cached)
+                self._decode.add_room(
+                    room, (host, port), pages, prefix_tokens=cached, group_pages=counts
+                )
             except kvxfer.KvxferError as e:
                 log.warning("kvxfer push: request %s: room refused: %s", rid, e)
                 self._recv_rooms[room] = (rid, [])
@@ -443,10 +526,12 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
                 self._send_rooms[stop.room] = _Send(stop.req, [], now, sent=True)
         for sp in meta.stream:
             self._stream_step(sp)
-        for rid, room, pages in meta.send:
+        for rid, room, pages, groups in meta.send:
             stream = self._streams.pop(room, None)
             # A streamed room's pages went out with its steps: it only has to end.
-            self._send_rooms[room] = _Send(rid, pages, now, sent=bool(stream and stream.active))
+            self._send_rooms[room] = _Send(
+                rid, pages, now, sent=bool(stream and stream.active), groups=groups
+            )
         # Before this step's forward pass, not after it: the pages of requests that ended
         # (their last step was the one before) go out while this step computes.
         self._post_ready_sends("whole_at_bind")
@@ -527,10 +612,22 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1):
             if s.sent or not pre.destinations_ready(room):
                 continue
             s.sent = True
-            prefix = pages_for(pre.decode_prefix(room) or 0, self._block_size)
+            if s.groups is not None:
+                # Each group's blocks at the positions of the decode's.
+                try:
+                    pages = prefill_pages(
+                        s.groups, pre.decode_group_pages(room) or [], len(s.groups[0])
+                    )
+                except ValueError as e:
+                    log.warning("kvxfer push: request %s: not sent: %s", s.req, e)
+                    pre.abort(room)
+                    continue
+            else:
+                prefix = pages_for(pre.decode_prefix(room) or 0, self._block_size)
+                pages = s.pages[prefix:]
             try:
-                pre.add_room(room, len(s.pages) - prefix)
-                pre.send(room, s.pages[prefix:])
+                pre.add_room(room, len(pages))
+                pre.send(room, pages)
                 self.posts[counter] += 1
             except kvxfer.KvxferError as e:
                 log.warning("kvxfer push: request %s: send failed: %s", s.req, e)

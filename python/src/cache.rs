@@ -74,7 +74,7 @@ pub fn build(a: CacheArgs<'_, '_>, keep: &mut Kept) -> PyResult<KvCache> {
     })
 }
 
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 15] = [
     "kind",
     "order",
     "dtype",
@@ -88,6 +88,8 @@ const KEYS: [&str; 13] = [
     "total_layers",
     "first_layer",
     "memory",
+    "groups",
+    "state_groups",
 ];
 
 /// [`build`] from a dict with the same keys (`first_layer` and `memory` optional); an
@@ -123,7 +125,14 @@ pub fn from_dict(d: &Bound<'_, PyDict>, keep: &mut Kept) -> PyResult<KvCache> {
     } else {
         0
     };
-    build(
+    let optional = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        Ok(d.get_item(k)?.filter(|v| !v.is_none()))
+    };
+    let groups = optional("groups")?.map(|_| get(d, "groups")).transpose()?;
+    let state_groups = optional("state_groups")?
+        .map(|_| get(d, "state_groups"))
+        .transpose()?;
+    let mut cache = build(
         CacheArgs {
             kind: &kind,
             order: &order,
@@ -140,5 +149,30 @@ pub fn from_dict(d: &Bound<'_, PyDict>, keep: &mut Kept) -> PyResult<KvCache> {
             memory: &memory,
         },
         keep,
-    )
+    )?;
+    set_groups(&mut cache, groups, state_groups)?;
+    Ok(cache)
+}
+
+/// Partitions the cache's layers into KV cache `groups` (a hybrid model; `None`: one
+/// group), `state_groups` of them holding state pages; checked against the layer count.
+pub fn set_groups(
+    cache: &mut KvCache,
+    groups: Option<Vec<Vec<u32>>>,
+    state_groups: Option<Vec<u32>>,
+) -> PyResult<()> {
+    if state_groups.is_some() && groups.is_none() {
+        return Err(LayoutError::new_err(
+            "state_groups names KV cache groups, but no groups were given",
+        ));
+    }
+    let layers = cache.spec.num_layers();
+    cache.groups = groups
+        .map(|g| {
+            kvxfer_layout::LayerGroups::new(g, layers)
+                .and_then(|g| g.with_state(state_groups.as_deref().unwrap_or(&[])))
+        })
+        .transpose()
+        .map_err(|e| LayoutError::new_err(format!("KV cache groups: {e}")))?;
+    Ok(())
 }

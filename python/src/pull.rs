@@ -260,18 +260,7 @@ impl PullWorker {
             },
             &mut keep,
         )?;
-        if state_groups.is_some() && groups.is_none() {
-            return Err(LayoutError::new_err(
-                "state_groups names KV cache groups, but no groups were given",
-            ));
-        }
-        cache.groups = groups
-            .map(|g| {
-                kvxfer_layout::LayerGroups::new(g, num_layers)
-                    .and_then(|g| g.with_state(state_groups.as_deref().unwrap_or(&[])))
-            })
-            .transpose()
-            .map_err(|e| LayoutError::new_err(format!("KV cache groups: {e}")))?;
+        cache::set_groups(&mut cache, groups, state_groups)?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}"

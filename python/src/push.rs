@@ -300,6 +300,15 @@ impl PushPrefill {
             .with(py, "prefill", |p| Ok(p.decode_prefix(room)))
     }
 
+    /// How many of `room`'s pages each KV cache group of a hybrid model takes, in group
+    /// order (empty for one group), once a destination with pages asked: send each group's
+    /// pages in that order, each group's the blocks ending where the decode's do. `None`
+    /// for an unknown room or one not asked for.
+    fn decode_group_pages(&self, py: Python<'_>, room: u64) -> PyResult<Option<Vec<u32>>> {
+        self.inner
+            .with(py, "prefill", |p| Ok(p.decode_group_pages(room)))
+    }
+
     /// Sends the room's next chunk from this rank's `pages`; the chunk that completes the room
     /// also carries aux and state (`state_indices` replaces those given to `add_room`).
     /// Raises `InvalidArgumentError` when the room is unknown, not ready or has fewer pages
@@ -498,9 +507,12 @@ impl PushDecode {
     /// destination `pages` (empty for a rank that only completes its status), `aux_index` and
     /// `state_indices`. A decode that holds the prompt's first `prefix_tokens` tokens
     /// already (its radix cache) gives the pages of the tokens after them; the prefill sends
-    /// only those. Never blocks: the control thread talks to the prefill.
+    /// only those. A cache in KV cache groups (a hybrid model) lists each group's pages in
+    /// group order and `group_pages`, how many are each group's (no aux or state then).
+    /// Never blocks: the control thread talks to the prefill.
     #[pyo3(signature = (
-        room, registry, pages, aux_index = None, state_indices = Vec::new(), prefix_tokens = 0
+        room, registry, pages, aux_index = None, state_indices = Vec::new(), prefix_tokens = 0,
+        group_pages = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_room(
@@ -512,16 +524,26 @@ impl PushDecode {
         aux_index: Option<u32>,
         state_indices: Vec<u32>,
         prefix_tokens: u64,
+        group_pages: Option<Vec<u32>>,
     ) -> PyResult<()> {
+        if group_pages.is_some() && (aux_index.is_some() || !state_indices.is_empty()) {
+            return Err(InvalidArgumentError::new_err(
+                "a room in KV cache groups carries no aux or state items",
+            ));
+        }
         self.inner.with(py, "decode", |d| {
-            d.add_room_after_prefix(
-                room,
-                (&registry.0, registry.1),
-                pages,
-                aux_index,
-                state_indices,
-                prefix_tokens,
-            );
+            let addr = (registry.0.as_str(), registry.1);
+            match group_pages {
+                Some(counts) => d.add_room_in_groups(room, addr, pages, counts, prefix_tokens),
+                None => d.add_room_after_prefix(
+                    room,
+                    addr,
+                    pages,
+                    aux_index,
+                    state_indices,
+                    prefix_tokens,
+                ),
+            }
             Ok(())
         })
     }

@@ -76,15 +76,17 @@ def handoff(
     d_prompts: list[list[int]],
     asked_first: bool = False,
     timeout: float = 120,
+    max_tokens: int = DECODE_TOKENS,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Posts `d_prompts` to the decode first, then `p_prompts` to the prefill under the same
-    ids (as a router does); returns the prefill's and the decode's outputs. `asked_first`:
-    the prefill gets its requests only once it holds every decode's room."""
+    ids (as a router does); returns the prefill's and the decode's outputs (`max_tokens`
+    each). `asked_first`: the prefill gets its requests only once it holds every decode's
+    room."""
     ids = [f"push-{next(_ids)}" for _ in d_prompts]
     d.send(
         {
             "op": "generate",
-            "max_tokens": DECODE_TOKENS,
+            "max_tokens": max_tokens,
             "requests": [
                 {"id": i, "prompt": x, "params": push_params(port, i)}
                 for i, x in zip(ids, d_prompts, strict=True)

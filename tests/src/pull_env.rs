@@ -330,31 +330,52 @@ impl RankCache {
     /// [`RankCache::verify`], leaving out the blocks of failed loads (whose content the
     /// engine was told is invalid: a copy may or may not have landed).
     pub fn verify_except(&self, pairs: &[(u32, u32)], invalid: &[u32]) -> Result<(), String> {
+        self.verify_with(&|layer, b| {
+            (!invalid.contains(&b)).then(|| {
+                pairs
+                    .iter()
+                    .find(|(_, d)| *d == b)
+                    .map(|(sb, _)| (layer, *sb))
+            })
+        })
+    }
+
+    /// Checks each block of each layer's regions (this rank's layer indices) as
+    /// `want(layer, block)` says: `Some(Some((l, src)))`, it holds the prefill's bytes of
+    /// layer `l`, block `src`, for every head this rank holds (`l` differs from `layer`
+    /// where KV cache groups overlay layers in the same memory); `Some(None)`, it is
+    /// untouched; `None`, it is not checked.
+    pub fn verify_with(
+        &self,
+        want: &dyn Fn(u32, u32) -> Option<Option<(u32, u32)>>,
+    ) -> Result<(), String> {
         let s = self.spec;
-        let mut want = Vec::new();
+        let mut expected = Vec::new();
         for layer in 0..s.num_layers() {
             for &part in s.parts() {
-                for b in (0..s.num_blocks()).filter(|b| !invalid.contains(b)) {
-                    let src = pairs.iter().find(|(_, d)| *d == b).map(|(sb, _)| *sb);
+                for b in 0..s.num_blocks() {
+                    let Some(src) = want(layer, b) else {
+                        continue;
+                    };
                     for t in 0..s.tokens_per_block() {
                         for h in 0..s.kv_heads() {
                             let (at, len) = self.offset(layer, part, b, t, h);
                             let got = &self.mem[at..at + len];
-                            want.resize(len, GUARD);
+                            expected.resize(len, GUARD);
                             match src {
-                                Some(sb) => fill_run(
-                                    &mut want,
-                                    self.first_layer + layer,
+                                Some((sl, sb)) => fill_run(
+                                    &mut expected,
+                                    self.first_layer + sl,
                                     part,
                                     sb,
                                     t,
                                     self.first_head + h,
                                 ),
-                                None => want.fill(GUARD),
+                                None => expected.fill(GUARD),
                             }
-                            if got != want.as_slice() {
-                                let e = (0..len).find(|&e| got[e] != want[e]).unwrap_or(0);
-                                let (got, want) = (got[e], want[e]);
+                            if got != expected.as_slice() {
+                                let e = (0..len).find(|&e| got[e] != expected[e]).unwrap_or(0);
+                                let (got, want) = (got[e], expected[e]);
                                 return Err(format!(
                                     "layer {layer} {part:?} block {b} token {t} head {h} byte {e}: got {got:#x}, want {want:#x} (source block {src:?})"
                                 ));

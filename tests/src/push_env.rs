@@ -95,8 +95,13 @@ pub struct RankMem {
     pub state: Items,
 }
 
-fn buffers(model: &Model, mem: &mut RankMem, state_kind: StateKind) -> PushBuffers {
-    PushBuffers {
+fn buffers(
+    model: &Model,
+    mem: &mut RankMem,
+    state_kind: StateKind,
+    kv: fn(&mut KvCache),
+) -> PushBuffers {
+    let mut b = PushBuffers {
         kv: KvCache {
             spec: mem.kv.spec,
             bases: mem.kv.bases(),
@@ -110,7 +115,9 @@ fn buffers(model: &Model, mem: &mut RankMem, state_kind: StateKind) -> PushBuffe
         aux: mem.aux.wire(),
         state: mem.state.wire(),
         state_kind,
-    }
+    };
+    kv(&mut b.kv);
+    b
 }
 
 /// Deployment options.
@@ -136,6 +143,10 @@ pub struct Setup {
     pub prefill_config: fn(&mut PushPrefillConfig),
     /// Where decodes learn prefills' ranks (their bootstrap registries when `None`).
     pub directory: Option<Arc<dyn PrefillDirectory>>,
+    /// Changes each prefill rank's cache description (KV cache groups) before it registers.
+    pub prefill_kv: fn(&mut KvCache),
+    /// The same for each decode rank (KV cache groups, regions overlaid).
+    pub decode_kv: fn(&mut KvCache),
 }
 
 impl Setup {
@@ -152,6 +163,8 @@ impl Setup {
             decode_config: |_| {},
             prefill_config: |_| {},
             directory: None,
+            prefill_kv: |_| {},
+            decode_kv: |_| {},
         }
     }
 }
@@ -254,7 +267,7 @@ pub fn prefill_on<F: TransportFactory>(
             PushPrefill::new(
                 t,
                 cfg,
-                buffers(&s.model, m, s.state_kind),
+                buffers(&s.model, m, s.state_kind, s.prefill_kv),
                 Arc::clone(&clock),
             )
             .expect("prefill rank"),
@@ -305,7 +318,7 @@ pub fn decode_on<F: TransportFactory>(
             PushDecode::new(
                 t,
                 cfg,
-                buffers(&s.model, m, s.state_kind),
+                buffers(&s.model, m, s.state_kind, s.decode_kv),
                 Arc::clone(&clock),
             )
             .expect("decode rank")

@@ -66,6 +66,7 @@ fn room() -> ToPrefill {
         state_indices: vec![4],
         digest: true,
         prefix_tokens: 0,
+        group_pages: Vec::new(),
     })
 }
 

@@ -184,6 +184,7 @@ fn only_a_decode_that_registers_again_is_forgotten_when_idle() {
             state_indices: vec![],
             digest: false,
             prefix_tokens: 0,
+            group_pages: Vec::new(),
         })
     };
     assert_eq!(ask(&pre, &room("fg4-new")), FromPrefill::Unregistered);

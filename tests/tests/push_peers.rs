@@ -209,6 +209,7 @@ fn a_registered_buffer_that_wraps_is_refused() {
         state_indices: vec![],
         digest: false,
         prefix_tokens: 0,
+        group_pages: Vec::new(),
     };
     let reply = request_bytes(
         &mailbox.host,
@@ -517,6 +518,7 @@ fn room_of(agent: &str, room: u64, pages: Vec<u32>, state_indices: Vec<u32>) -> 
         state_indices,
         digest: false,
         prefix_tokens: 0,
+        group_pages: Vec::new(),
     }
 }
 

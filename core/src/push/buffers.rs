@@ -31,11 +31,13 @@ pub struct PushBuffers {
 }
 
 impl PushBuffers {
-    /// Every (base, bytes) range to register: KV regions merged where adjacent, then aux and
-    /// state buffers.
+    /// Every (base, bytes) range to register: KV regions merged where adjacent (a region
+    /// KV cache groups share, once), then aux and state buffers.
     pub(crate) fn ranges(&self) -> Vec<(MemoryKind, u64, u64)> {
         let mut bases = self.kv.bases.clone();
         bases.sort_unstable();
+        // Regions that KV cache groups share are registered once.
+        bases.dedup();
         let len = self.kv.spec.region_len();
         let mut out: Vec<(MemoryKind, u64, u64)> = Vec::new();
         for b in bases {
@@ -131,5 +133,14 @@ mod tests {
                 (gpu, 0xb000, 16),
             ]
         );
+    }
+
+    /// A hybrid model's layers of two KV cache groups overlay the same memory: each shared
+    /// region registers once (a transport refuses overlapping registrations).
+    #[test]
+    fn regions_kv_cache_groups_share_register_once() {
+        let gpu = MemoryKind::Gpu { device: 0 };
+        let b = bufs([0x1000, 0x1080, 0x1000, 0x1080], Vec::new(), Vec::new());
+        assert_eq!(b.ranges(), vec![(gpu, 0x1000, 0x100)]);
     }
 }

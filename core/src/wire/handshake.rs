@@ -134,6 +134,15 @@ impl LayoutWire {
         }
     }
 
+    /// This layout with a cache's KV cache groups (`None`: one group), state groups marked.
+    pub fn with_groups(mut self, groups: Option<&LayerGroups>) -> Self {
+        self.groups = groups.map(|g| g.as_slice().to_vec());
+        self.state_groups = groups
+            .filter(|g| g.has_state())
+            .map(LayerGroups::state_groups);
+        self
+    }
+
     /// The validated spec.
     pub fn to_spec(&self) -> Result<CacheSpec, WireError> {
         let invalid = |reason: String| WireError::Invalid {

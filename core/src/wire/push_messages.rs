@@ -96,6 +96,13 @@ pub struct RoomRequest {
     /// counts then differ (the room fails naming both).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prefix_tokens: u64,
+    /// For a cache in KV cache groups (a hybrid model): how many of `pages` belong to each
+    /// group, in group order (`pages` lists group 0's, then group 1's, ...); each group's
+    /// pages are moved through that group's layers only. Left out (empty) for one group, so
+    /// single-group rooms are what older peers send; an older prefill ignores it, and a
+    /// hybrid decode registers groups such a prefill refuses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_pages: Vec<u32>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -558,10 +565,22 @@ mod tests {
             state_indices: vec![],
             digest: false,
             prefix_tokens: 0,
+            group_pages: Vec::new(),
         });
         assert_eq!(decode::<ToPrefill>(&encode(&m), "msg").unwrap(), m);
-        // Without digests, the bytes an older prefill reads; with them, an extra field.
-        assert!(!String::from_utf8_lossy(&encode(&m)).contains("digest"));
+        // Without digests or groups, the bytes an older prefill reads; with them, extra
+        // fields.
+        let plain = String::from_utf8_lossy(&encode(&m)).into_owned();
+        assert!(!plain.contains("digest") && !plain.contains("group_pages"));
+        let ToPrefill::Room(mut grouped) = m.clone() else {
+            unreachable!()
+        };
+        grouped.group_pages = vec![1, 1];
+        let grouped = ToPrefill::Room(grouped);
+        assert_eq!(
+            decode::<ToPrefill>(&encode(&grouped), "msg").unwrap(),
+            grouped
+        );
         let ToPrefill::Room(mut asking) = m.clone() else {
             unreachable!()
         };

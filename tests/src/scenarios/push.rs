@@ -12,7 +12,9 @@ use kvxfer_layout::{BlockOrder, Dtype};
 use crate::conformance::TransportFactory;
 use crate::faulty::WithFaults;
 use crate::pull_env::Model;
-use crate::push_env::{Setup, decode_on, poll_until, prefill_on, run_room, run_room_sending};
+use crate::push_env::{
+    DecodeSide, PrefillSide, Setup, decode_on, poll_until, prefill_on, run_room, run_room_sending,
+};
 use crate::scenarios::pull::clock;
 
 /// One room `src` → `dst` through a deployment; checks every decode byte and aux item.
@@ -599,6 +601,7 @@ pub fn malformed_control_messages_are_dropped_and_serving_continues<F: Transport
             state_indices: vec![],
             digest: false,
             prefix_tokens: 0,
+            group_pages: Vec::new(),
         }),
     );
     // A room from an agent that never registered is answered: register first.
@@ -717,4 +720,104 @@ pub fn an_aborted_room_drains_only_after_its_writes_stopped<F: TransportFactory>
         .kv
         .verify_except(&[], &[5])
         .expect("nothing outside the room's page");
+}
+
+/// A hybrid model's cache: layer 0 in KV cache group 0 (full attention), layer 1 in group 1
+/// (sliding window), each with its own pages. On the decode the two layers overlay the same
+/// memory, as vLLM lays them out; the prefill's are apart. A room names group 0's pages,
+/// then group 1's (`add_room_in_groups`): each group's pages are written through its own
+/// layers only, in chunks that straddle the groups, TP 1→1 and 1→2, and nothing else. A
+/// decode whose groups differ from the prefill's is refused naming both; a room whose
+/// counts do not add up to its pages fails naming them.
+pub fn hybrid_groups_write_each_groups_pages<F: TransportFactory>(f: &F) {
+    use kvxfer_core::pull::KvCache;
+    fn grouped(kv: &mut KvCache) {
+        kv.groups =
+            Some(kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).expect("groups"));
+    }
+    fn overlaid(kv: &mut KvCache) {
+        grouped(kv);
+        // Split K/V regions [K0, V0, K1, V1]: layer 1 over layer 0's memory.
+        kv.bases = vec![kv.bases[0], kv.bases[1], kv.bases[0], kv.bases[1]];
+    }
+    let settled = |pre: &PrefillSide<F::T>, dec: &DecodeSide<F::T>, room: u64| {
+        pre.ranks
+            .iter()
+            .all(|p| p.status(room).is_some_and(|s| s.is_final()))
+            && dec
+                .ranks
+                .iter()
+                .all(|d| d.status(room).is_some_and(|s| s.is_final()))
+    };
+    let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
+    s.aux = 0;
+    s.prefill_kv = grouped;
+    s.decode_kv = overlaid;
+    // Group 0: prefill blocks 1, 2, 3 into 8, 9, 10; group 1 (layer 1): block 6 into 12.
+    let (src, dst, counts) = ([1u32, 2, 3, 6], vec![8u32, 9, 10, 12], vec![3u32, 1]);
+    for d in [1, 2] {
+        s.d = d;
+        let c = clock();
+        let mut pre = prefill_on(f, &s, &format!("hyb{d}"), Arc::clone(&c), None, None);
+        let mut dec = decode_on(f, &s, &format!("hyb{d}"), c);
+        let port = pre.registry.port();
+        for r in &mut dec.ranks {
+            r.add_room_in_groups(1, ("127.0.0.1", port), dst.clone(), counts.clone(), 0);
+        }
+        pre.ranks[0].add_room(1, src.len(), None, vec![]);
+        poll_until(&mut pre, &mut dec, |pre, _| {
+            pre.ranks[0].destinations_ready(1)
+        });
+        assert_eq!(pre.ranks[0].decode_group_pages(1), Some(counts.clone()));
+        // Chunks of 2: the second holds group 0's last page and group 1's.
+        for part in src.chunks(2) {
+            pre.ranks[0].send(1, part).expect("send");
+        }
+        poll_until(&mut pre, &mut dec, |pre, dec| settled(pre, dec, 1));
+        for (r, m) in dec.mem.iter().enumerate() {
+            assert_eq!(
+                dec.ranks[r].status(1),
+                Some(RoomStatus::Success),
+                "{:?}",
+                dec.ranks[r].error(1)
+            );
+            // Layer 0's regions hold group 0's pages of layer 0 and group 1's page of
+            // layer 1; layer 1's own regions (unused by the overlay) stay untouched.
+            m.kv.verify_with(&|layer, b| {
+                Some(match (layer, b) {
+                    (0, 8..=10) => Some((0, b - 7)),
+                    (0, 12) => Some((1, 6)),
+                    _ => None,
+                })
+            })
+            .unwrap_or_else(|e| panic!("tp 1x{d}, decode rank {r}: {e}"));
+        }
+    }
+    // Counts that do not add up to the pages: the room fails, nothing is written.
+    s.d = 1;
+    let c = clock();
+    let mut pre = prefill_on(f, &s, "hyb-sum", Arc::clone(&c), None, None);
+    let mut dec = decode_on(f, &s, "hyb-sum", c);
+    let port = pre.registry.port();
+    dec.ranks[0].add_room_in_groups(2, ("127.0.0.1", port), dst.clone(), vec![3, 2], 0);
+    pre.ranks[0].add_room(2, src.len(), None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, dec| settled(pre, dec, 2));
+    assert_eq!(dec.ranks[0].status(2), Some(RoomStatus::Failed));
+    let e = pre.ranks[0].error(2).unwrap_or_default();
+    assert!(e.contains("add up to 5, the room names 4 pages"), "{e}");
+    dec.mem[0].kv.verify(&[]).expect("nothing written");
+    // A decode of one group: its registration is refused, naming both partitions.
+    s.decode_kv = |_| {};
+    let c = clock();
+    let mut plain = decode_on(f, &s, "hyb-plain", c);
+    plain.ranks[0].add_room(3, ("127.0.0.1", port), vec![8, 9, 10, 12], None, vec![]);
+    poll_until(&mut pre, &mut plain, |_, dec| {
+        dec.ranks[0].status(3) == Some(RoomStatus::Failed)
+    });
+    let e = plain.ranks[0].error(3).unwrap_or_default();
+    assert!(
+        e.contains("KV cache groups differ: decode one, prefill [[0], [1]]"),
+        "{e}"
+    );
+    plain.mem[0].kv.verify(&[]).expect("nothing written");
 }

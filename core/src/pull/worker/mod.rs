@@ -286,18 +286,13 @@ impl<T: Transport> PullWorker<T> {
         {
             registrations.push(transport.register(MemoryKind::Host, range)?);
         }
-        let mut layout = LayoutWire::from_spec(
+        let layout = LayoutWire::from_spec(
             &cache.spec,
             cache.total_kv_heads,
             cache.total_layers,
             cache.first_layer,
-        );
-        layout.groups = cache.groups.as_ref().map(|g| g.as_slice().to_vec());
-        layout.state_groups = cache
-            .groups
-            .as_ref()
-            .filter(|g| g.has_state())
-            .map(LayerGroups::state_groups);
+        )
+        .with_groups(cache.groups.as_ref());
         let meta = HandshakeMeta {
             engine_id: config.engine_id.clone(),
             agent_metadata: transport.metadata()?,

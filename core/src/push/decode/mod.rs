@@ -123,6 +123,7 @@ impl<T: Transport> PushDecode<T> {
         bufs: PushBuffers,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, String> {
+        bufs.kv.check().map_err(|e| e.to_string())?;
         let digests = if config.digest {
             Some(PageDigests::new(&bufs.kv)?)
         } else {
@@ -133,7 +134,8 @@ impl<T: Transport> PushDecode<T> {
         let args = RegisterArgs {
             agent: transport.name().to_string(),
             agent_metadata: transport.metadata().map_err(|e| e.to_string())?,
-            layout: LayoutWire::from_spec(&kv.spec, kv.total_kv_heads, kv.total_layers, 0),
+            layout: LayoutWire::from_spec(&kv.spec, kv.total_kv_heads, kv.total_layers, 0)
+                .with_groups(kv.groups.as_ref()),
             kv_bases: kv.bases.clone(),
             aux: bufs.aux.clone(),
             state: bufs.state.clone(),
@@ -216,6 +218,52 @@ impl<T: Transport> PushDecode<T> {
         state_indices: Vec<u32>,
         prefix_tokens: u64,
     ) {
+        self.open_room(
+            room,
+            addr,
+            pages,
+            Vec::new(),
+            aux_index,
+            state_indices,
+            prefix_tokens,
+        );
+    }
+
+    /// Starts receiving `room` into a cache in KV cache groups (a hybrid model): `pages`
+    /// lists each group's destination pages in group order, `group_pages` how many are
+    /// each group's (one count per group, summing to `pages.len()`; checked by the prefill,
+    /// which fails the room otherwise). `prefix_tokens` as in
+    /// [`PushDecode::add_room_after_prefix`].
+    pub fn add_room_in_groups(
+        &mut self,
+        room: u64,
+        addr: (&str, u16),
+        pages: Vec<u32>,
+        group_pages: Vec<u32>,
+        prefix_tokens: u64,
+    ) {
+        self.open_room(
+            room,
+            addr,
+            pages,
+            group_pages,
+            None,
+            Vec::new(),
+            prefix_tokens,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn open_room(
+        &mut self,
+        room: u64,
+        addr: (&str, u16),
+        pages: Vec<u32>,
+        group_pages: Vec<u32>,
+        aux_index: Option<u32>,
+        state_indices: Vec<u32>,
+        prefix_tokens: u64,
+    ) {
         let addr = (addr.0.to_string(), addr.1);
         let req = RoomRequest {
             room,
@@ -225,6 +273,7 @@ impl<T: Transport> PushDecode<T> {
             state_indices: state_indices.clone(),
             digest: self.config.digest && !pages.is_empty(),
             prefix_tokens,
+            group_pages,
         };
         let known = self
             .prefills

@@ -31,7 +31,28 @@ pub(super) fn check_registration(
             mine.dtype()
         ));
     }
-    CacheSide::new(&spec, &args.kv_bases, 0).map_err(|e| e.to_string())?;
+    // A hybrid model's groups: the same partition of layers on both sides (each group's
+    // pages move through its own layers), whose regions may overlay across groups only.
+    let groups = args
+        .layout
+        .to_groups(spec.num_layers())
+        .map_err(|e| e.to_string())?;
+    if groups != bufs.kv.groups {
+        let name = |g: &Option<kvxfer_layout::LayerGroups>| {
+            g.as_ref()
+                .map_or_else(|| "one".to_string(), |g| format!("{:?}", g.as_slice()))
+        };
+        return Err(format!(
+            "KV cache groups differ: decode {}, prefill {}",
+            name(&groups),
+            name(&bufs.kv.groups)
+        ));
+    }
+    match &groups {
+        Some(g) => g.check_regions(&spec, &args.kv_bases),
+        None => CacheSide::new(&spec, &args.kv_bases, 0).map(|_| ()),
+    }
+    .map_err(|e| e.to_string())?;
     // The model's heads and layers as each side counts them: a decode that splits heads
     // otherwise would expect writers this rank's plan never names, and wait them out.
     let kv = &bufs.kv;
@@ -189,7 +210,47 @@ impl<T: Transport> PushPrefill<T> {
         {
             return Some("Mamba state takes exactly one index".into());
         }
-        digest_refusal(req, self.bufs.kv.memory)
+        groups_refusal(req, self.bufs.kv.groups.as_ref())
+            .or_else(|| digest_refusal(req, self.bufs.kv.memory))
+    }
+}
+
+/// Why a room's pages do not split into this cache's KV cache groups: counts named for a
+/// cache of one group, or not one count per group, or counts that do not add up to the
+/// pages. A room without pages names none.
+fn groups_refusal(
+    req: &RoomRequest,
+    groups: Option<&kvxfer_layout::LayerGroups>,
+) -> Option<String> {
+    let counts = &req.group_pages;
+    match groups {
+        None if !counts.is_empty() => Some(format!(
+            "pages of {} KV cache groups for a cache of one group",
+            counts.len()
+        )),
+        Some(g) if !req.pages.is_empty() => {
+            let sum: u64 = counts.iter().map(|&n| u64::from(n)).sum();
+            if counts.len() != g.len() {
+                Some(format!(
+                    "page counts of {} KV cache groups for a cache of {}",
+                    counts.len(),
+                    g.len()
+                ))
+            } else if sum != req.pages.len() as u64 {
+                Some(format!(
+                    "the KV cache groups' page counts add up to {sum}, the room names {} pages",
+                    req.pages.len()
+                ))
+            } else if req.digest {
+                Some(
+                    "content digests of a cache in KV cache groups are not supported in push mode"
+                        .into(),
+                )
+            } else {
+                None
+            }
+        }
+        _ => None,
     }
 }
 
@@ -347,6 +408,82 @@ mod tests {
         refusal(&tp);
     }
 
+    /// A hybrid model's decode registers its KV cache groups: the same partition as this
+    /// rank's pairs, with layers overlaying one region across groups; another partition, or
+    /// none beside ours, is refused naming both; an overlay within a group is refused.
+    #[test]
+    fn kv_cache_groups_must_be_the_prefills_and_may_overlay_only_across_groups() {
+        let groups = kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).expect("groups");
+        let mut bufs = prefill_bufs();
+        bufs.kv.groups = Some(groups.clone());
+        let mut args = decode_args();
+        args.layout = args.layout.with_groups(Some(&groups));
+        // Split K/V regions [K0, V0, K1, V1]: layer 1 over layer 0's memory.
+        let b = args.kv_bases.clone();
+        args.kv_bases = vec![b[0], b[1], b[0], b[1]];
+        check_registration(&bufs, 2, &args).expect("overlaid across groups");
+        let plain = check_registration(&prefill_bufs(), 2, &args).expect_err("groups");
+        assert!(
+            plain.contains("KV cache groups differ: decode [[0], [1]], prefill one"),
+            "{plain}"
+        );
+        let mut one = args.clone();
+        one.layout.groups = Some(vec![vec![0, 1]]);
+        let e = check_registration(&bufs, 2, &one).expect_err("another partition");
+        assert!(e.contains("decode [[0, 1]], prefill [[0], [1]]"), "{e}");
+        let mut mixed = args.clone();
+        mixed.layout = mixed.layout.with_groups(None);
+        let e = check_registration(&bufs, 2, &mixed).expect_err("no groups");
+        assert!(e.contains("decode one, prefill [[0], [1]]"), "{e}");
+        // One group of both layers may not overlay them.
+        let single = kvxfer_layout::LayerGroups::new(vec![vec![0, 1]], 2).expect("group");
+        bufs.kv.groups = Some(single.clone());
+        one.layout = one.layout.with_groups(Some(&single));
+        let e = check_registration(&bufs, 2, &one).expect_err("overlay within a group");
+        assert!(e.contains("overlap"), "{e}");
+    }
+
+    /// A room's pages split into the cache's KV cache groups: one count per group, adding up
+    /// to its pages; counts for a cache of one group, and digests of groups, are refused.
+    #[test]
+    fn a_rooms_group_counts_must_split_its_pages_into_the_caches_groups() {
+        let groups = kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).expect("groups");
+        let room = |pages: Vec<u32>, counts: Vec<u32>| RoomRequest {
+            room: 1,
+            agent: "d0".into(),
+            pages,
+            aux_index: None,
+            state_indices: Vec::new(),
+            digest: false,
+            prefix_tokens: 0,
+            group_pages: counts,
+        };
+        assert_eq!(
+            groups_refusal(&room(vec![1, 2, 3], vec![2, 1]), Some(&groups)),
+            None
+        );
+        assert_eq!(groups_refusal(&room(vec![], vec![]), Some(&groups)), None);
+        assert_eq!(groups_refusal(&room(vec![1], vec![]), None), None);
+        let refused = |r: &RoomRequest, g: Option<&kvxfer_layout::LayerGroups>| {
+            groups_refusal(r, g).expect("refused")
+        };
+        assert!(
+            refused(&room(vec![1, 2], vec![1, 1]), None)
+                .contains("pages of 2 KV cache groups for a cache of one group")
+        );
+        assert!(
+            refused(&room(vec![1, 2], vec![2]), Some(&groups))
+                .contains("page counts of 1 KV cache groups for a cache of 2")
+        );
+        assert!(
+            refused(&room(vec![1, 2], vec![2, 1]), Some(&groups))
+                .contains("add up to 3, the room names 2 pages")
+        );
+        let mut digest = room(vec![1, 2], vec![1, 1]);
+        digest.digest = true;
+        assert!(refused(&digest, Some(&groups)).contains("content digests"));
+    }
+
     #[test]
     fn only_a_room_with_pages_asking_digests_of_gpu_memory_is_refused() {
         let gpu = MemoryKind::Gpu { device: 0 };
@@ -358,6 +495,7 @@ mod tests {
             state_indices: Vec::new(),
             digest,
             prefix_tokens: 0,
+            group_pages: Vec::new(),
         };
         let refused = digest_refusal(&room(true, vec![1]), gpu).expect("refused");
         assert!(

@@ -176,6 +176,9 @@ impl<T: Transport> PushPrefill<T> {
         bufs: PushBuffers,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, PushError> {
+        bufs.kv
+            .check()
+            .map_err(|e| PushError::Setup(e.to_string()))?;
         let registrations = bufs
             .register(&mut transport)
             .map_err(|e| PushError::Setup(e.to_string()))?;
@@ -390,6 +393,17 @@ impl<T: Transport> PushPrefill<T> {
     /// `pop_decode_prefix_len`). `None` for an unknown room or one no destination asked for.
     pub fn decode_prefix(&self, room: u64) -> Option<u64> {
         self.rooms.get(&room).and_then(PrefillRoom::decode_prefix)
+    }
+
+    /// How many of the room's pages each KV cache group of a hybrid model takes, in group
+    /// order (empty for a cache of one group), once a destination with pages asked: the
+    /// engine sends each group's pages in that order ([`PushPrefill::send`]), each group's
+    /// the blocks ending where the decode's do.
+    pub fn decode_group_pages(&self, room: u64) -> Option<Vec<u32>> {
+        self.rooms
+            .get(&room)
+            .and_then(PrefillRoom::decode_group_pages)
+            .map(<[u32]>::to_vec)
     }
 
     /// Why a room failed.

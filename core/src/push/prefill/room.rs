@@ -119,6 +119,16 @@ impl PrefillRoom {
         self.dests.values().next().map(|d| d.prefix_tokens)
     }
 
+    /// How many of the room's pages each KV cache group takes (empty for a cache of one
+    /// group), once a destination with pages asked: the same for every such destination,
+    /// or the room failed.
+    pub fn decode_group_pages(&self) -> Option<&[u32]> {
+        self.dests
+            .values()
+            .find(|d| !d.pages.is_empty())
+            .map(|d| d.group_pages.as_slice())
+    }
+
     /// The agents of the decode destinations.
     pub fn dest_agents(&self) -> impl Iterator<Item = &str> {
         self.dests.keys().map(String::as_str)
@@ -196,6 +206,22 @@ impl PrefillRoom {
                         format!(
                             "decode {} holds {} tokens of the prompt, decode {} {}",
                             d.agent, d.prefix_tokens, req.agent, req.prefix_tokens
+                        )
+                    })
+            })
+            .or_else(|| {
+                // And the same pages per KV cache group: the engine sends one list.
+                self.dests
+                    .values()
+                    .find(|d| {
+                        !d.pages.is_empty()
+                            && !req.pages.is_empty()
+                            && d.group_pages != req.group_pages
+                    })
+                    .map(|d| {
+                        format!(
+                            "decode {} takes {:?} pages per KV cache group, decode {} {:?}",
+                            d.agent, d.group_pages, req.agent, req.group_pages
                         )
                     })
             });
@@ -382,6 +408,7 @@ mod tests {
             state_indices: Vec::new(),
             digest: false,
             prefix_tokens: 0,
+            group_pages: Vec::new(),
         }
     }
 
@@ -451,6 +478,37 @@ mod tests {
         untold.add_dest(dest("late", 2), None, 1);
         assert!(untold.needs("a") && untold.needs("late"), "not told yet");
         assert!(!untold.needs("b"));
+    }
+
+    /// The pages per KV cache group are known once a destination with pages asked (a
+    /// dummy one names none); destinations with pages that split them otherwise fail the
+    /// room.
+    #[test]
+    fn destinations_must_agree_on_the_pages_per_group() {
+        let with = |agent: &str, counts: Vec<u32>| RoomRequest {
+            group_pages: counts,
+            ..dest(agent, 2)
+        };
+        let mut r = ready(2, &[]);
+        r.add_dest(dest("dummy", 0), None, 3);
+        assert_eq!(
+            r.decode_group_pages(),
+            None,
+            "a dummy destination names none"
+        );
+        r.add_dest(with("a", vec![1, 1]), None, 3);
+        assert_eq!(r.decode_group_pages(), Some(&[1, 1][..]));
+        r.add_dest(with("b", vec![1, 1]), None, 3);
+        assert_eq!(r.status(), RoomStatus::WaitingForInput);
+        let mut split = ready(2, &[]);
+        split.add_dest(with("a", vec![1, 1]), None, 2);
+        split.add_dest(with("b", vec![2, 0]), None, 2);
+        assert_eq!(split.status(), RoomStatus::Failed);
+        let e = split.error().unwrap_or_default();
+        assert!(
+            e.contains("[1, 1] pages per KV cache group") && e.contains("b [2, 0]"),
+            "{e}"
+        );
     }
 
     /// The decode's prefix is known once a destination asked; destinations that name

@@ -3,11 +3,14 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_layout::{BlockPairs, CacheSide, LinkKind, PlanOptions, plan_transfer_into};
+use kvxfer_layout::{
+    BlockPairs, CacheSide, CacheSpec, HeadSlice, LinkKind, PlanOptions, TransferPlan,
+    plan_transfer_into,
+};
 
 use super::room::Chunk;
 use super::{PushError, PushPrefill};
-use crate::plan::split_for;
+use crate::plan::append_for;
 use crate::push::digests::{Coverage, PageDigests};
 use crate::push::messages::{self, BufferWire, RoomRequest};
 use crate::tally::Tally;
@@ -38,6 +41,11 @@ impl<T: Transport> PushPrefill<T> {
                 "layers {layers:?} of a rank holding {}",
                 spec.num_layers()
             )));
+        }
+        if self.bufs.kv.groups.is_some() {
+            return Err(PushError::Setup(
+                "a cache in KV cache groups (a hybrid model) sends whole pages, not layers".into(),
+            ));
         }
         if spec.kind() == kvxfer_layout::CacheKind::CrossLayer {
             return Err(PushError::Setup(
@@ -124,13 +132,6 @@ impl<T: Transport> PushPrefill<T> {
             .min()
             == Some(me);
         let kv = &self.bufs.kv;
-        let part = layers.as_ref().map(|l| layer_part(kv, l)).transpose()?;
-        let src = match &part {
-            Some((spec, bases, first)) => CacheSide::new(spec, bases, *first),
-            None => CacheSide::new(&kv.spec, &kv.bases, kv.first_layer),
-        }
-        .map_err(|e| e.to_string())?;
-        let dst = CacheSide::new(&d.spec, &d.args.kv_bases, 0).map_err(|e| e.to_string())?;
         let dst_pages = start
             .checked_add(pages.len())
             .and_then(|end| dest.pages.get(start..end))
@@ -140,35 +141,28 @@ impl<T: Transport> PushPrefill<T> {
                     dest.agent
                 )
             })?;
-        let pairs = BlockPairs {
-            src: pages,
-            dst: dst_pages,
-            windows: None,
-        };
         let planning = self.clock.now();
-        plan_transfer_into(
-            &src,
-            &dst,
+        let target = Target {
+            spec: &d.spec,
+            bases: &d.args.kv_bases,
+            group_pages: &dest.group_pages,
+            start,
+        };
+        let planned = plan_chunk(
+            kv,
+            layers.as_ref(),
+            &target,
+            (pages, dst_pages),
             slice,
-            &pairs,
-            PlanOptions::default(),
             &mut self.plan,
-        )
-        .map_err(|e| e.to_string())?;
-        split_for(
-            Op::Write,
-            self.plan.iter(),
-            &mut self.ranges.0,
-            &mut self.ranges.1,
-        );
+            &mut self.ranges,
+        )?;
         self.metrics
             .plan_time
             .tally(self.clock.now().saturating_sub(planning));
-        self.metrics.kv_bytes.tally(self.plan.total_bytes);
-        self.metrics.descriptors_raw.tally(self.plan.raw_count);
-        self.metrics
-            .descriptors_posted
-            .tally(self.plan.len() as u64);
+        self.metrics.kv_bytes.tally(planned.bytes);
+        self.metrics.descriptors_raw.tally(planned.raw);
+        self.metrics.descriptors_posted.tally(planned.descriptors);
         let (pp_rank, pp_size) = self.config.pp;
         let mem = (kv.memory, kv.memory);
         let note = if dest.digest && completes {
@@ -265,6 +259,115 @@ impl<T: Transport> PushPrefill<T> {
         }
         Ok(())
     }
+}
+
+/// The decode rank a chunk goes to: its cache and region bases, how many of the room's
+/// pages each KV cache group takes (empty: one group), and the chunk's first page's
+/// position in the room.
+struct Target<'a> {
+    spec: &'a CacheSpec,
+    bases: &'a [u64],
+    group_pages: &'a [u32],
+    start: usize,
+}
+
+/// What [`plan_chunk`] planned: bytes, descriptors before and after coalescing.
+struct Planned {
+    bytes: u64,
+    raw: u64,
+    descriptors: u64,
+}
+
+/// Plans the WRITEs of a chunk: `pages.0` (this rank's source pages) into `pages.1` (the
+/// decode's), heads `slice`, `layers` of them or all, into `ranges` (replaced). A cache in
+/// KV cache groups moves each group's share of the chunk through that group's layers only:
+/// the room's pages list group 0's, then group 1's, ... (`target.group_pages`), on both
+/// sides, and the two caches' groups are the same (checked at registration).
+fn plan_chunk(
+    kv: &crate::pull::KvCache,
+    layers: Option<&std::ops::Range<u32>>,
+    target: &Target<'_>,
+    pages: (&[u32], &[u32]),
+    slice: HeadSlice,
+    plan: &mut TransferPlan,
+    ranges: &mut (Vec<AddrRange>, Vec<AddrRange>),
+) -> Result<Planned, String> {
+    ranges.0.clear();
+    ranges.1.clear();
+    let mut out = Planned {
+        bytes: 0,
+        raw: 0,
+        descriptors: 0,
+    };
+    let mut add =
+        |src: &CacheSide<'_>, dst: &CacheSide<'_>, src_pages: &[u32], dst_pages: &[u32]| {
+            let pairs = BlockPairs {
+                src: src_pages,
+                dst: dst_pages,
+                windows: None,
+            };
+            plan_transfer_into(src, dst, slice, &pairs, PlanOptions::default(), plan)
+                .map_err(|e| e.to_string())?;
+            append_for(Op::Write, plan.iter(), &mut ranges.0, &mut ranges.1);
+            out.bytes = out.bytes.saturating_add(plan.total_bytes);
+            out.raw = out.raw.saturating_add(plan.raw_count);
+            out.descriptors = out.descriptors.saturating_add(plan.len() as u64);
+            Ok::<(), String>(())
+        };
+    let Some(groups) = &kv.groups else {
+        let part = layers.map(|l| layer_part(kv, l)).transpose()?;
+        let src = match &part {
+            Some((spec, bases, first)) => CacheSide::new(spec, bases, *first),
+            None => CacheSide::new(&kv.spec, &kv.bases, kv.first_layer),
+        }
+        .map_err(|e| e.to_string())?;
+        let dst = CacheSide::new(target.spec, target.bases, 0).map_err(|e| e.to_string())?;
+        add(&src, &dst, pages.0, pages.1)?;
+        return Ok(out);
+    };
+    if layers.is_some() {
+        return Err("a cache in KV cache groups sends whole pages, not layers".into());
+    }
+    if target.group_pages.len() != groups.len() {
+        return Err(format!(
+            "the decode named pages of {} KV cache groups, this cache has {}",
+            target.group_pages.len(),
+            groups.len()
+        ));
+    }
+    let end = target
+        .start
+        .checked_add(pages.0.len())
+        .ok_or("page positions overflow")?;
+    // Each group's pages are positions `first .. first + count` of the room.
+    let mut first = 0usize;
+    for (g, &count) in target.group_pages.iter().enumerate() {
+        let last = first
+            .checked_add(count as usize)
+            .ok_or("page positions overflow")?;
+        let (from, to) = (first.max(target.start), last.min(end));
+        first = last;
+        if from >= to {
+            continue;
+        }
+        let layout = |e: kvxfer_layout::LayoutError| format!("KV cache group {g}: {e}");
+        let (sspec, sbases) = groups.group_side(g, &kv.spec, &kv.bases).map_err(layout)?;
+        let (dspec, dbases) = groups
+            .group_side(g, target.spec, target.bases)
+            .map_err(layout)?;
+        let src = CacheSide::new(&sspec, &sbases, 0).map_err(layout)?;
+        let dst = CacheSide::new(&dspec, &dbases, 0).map_err(layout)?;
+        // Positions `from .. to` of the room, offsets `from - start ..` of the chunk.
+        let (a, b) = (
+            from.saturating_sub(target.start),
+            to.saturating_sub(target.start),
+        );
+        let (Some(src_pages), Some(dst_pages)) = (pages.0.get(a..b), pages.1.get(a..b)) else {
+            return Err(format!("KV cache group {g}: pages {a}..{b} past the chunk"));
+        };
+        add(&src, &dst, src_pages, dst_pages)?;
+    }
+    Ok(out)
 }
 
 /// Item-wise ranges of parallel buffers: item `src[i]` of each local buffer to item
