@@ -72,6 +72,7 @@ import kvxfer
 import kvxfer.nixl
 import kvxfer.ucx
 from kvxfer.vllm_compat import compat_json
+from kvxfer.vllm_groups import state_page
 from kvxfer.vllm_stats import KvxferStats, StatsHooks
 
 if TYPE_CHECKING:
@@ -442,11 +443,7 @@ def drop_last_prompt_token(request: Request) -> None:
 def state_block(ids: list[int], scratch: int) -> list[int]:
     """A state group's block that holds the request's running state: the last one before
     the `scratch` speculative slots (none before vLLM allocated any)."""
-    ids = _held(ids)
-    if not ids:
-        return ids
-    keep = len(ids) - min(scratch, len(ids) - 1)
-    return ids[keep - 1 : keep]
+    return state_page(ids, scratch)
 
 
 def connector_options(extra: Any, flow: str) -> dict[str, Any]:

@@ -30,12 +30,14 @@ true}``, under the same request id (as for NixlPushConnector): both ends name th
 after it, without vLLM's random ``-<8 hex>`` suffix.
 
 Supported today: dense models, and hybrid and sliding-window models (full and
-sliding-window attention layers in several KV cache groups, vLLM's hybrid KV cache manager
-on): each group's blocks are written by position into the decode's blocks of that group
-(`kvxfer.vllm_groups`), whole pages after the prefill's last step (not layer by layer), and
-with a sliding window the prefill stops one token short, which the decode computes itself,
-so that no block the decode's window reads is freed on either side. A Mamba model is refused
-at start-up with the reason (use KvxferConnector, which pulls). Host memory. The decode's
+sliding-window attention layers, or Mamba layers beside attention layers, in several KV
+cache groups, vLLM's hybrid KV cache manager on): each attention group's blocks are written
+by position into the decode's blocks of that group, a Mamba group's state page whole
+(`kvxfer.vllm_groups`), whole pages after the prefill's last step (not layer by layer); with
+a sliding window or Mamba state the prefill stops one token short, which the decode computes
+itself, so that no block the decode's window reads is freed on either side and the state
+holds every token but that one. A model of Mamba layers alone is refused at start-up with
+the reason (use KvxferConnector, which pulls). Host memory. The decode's
 blocks go back to vLLM only once no prefill rank can still write into them (a room aborted
 with the request is drained first).
 """
@@ -66,6 +68,7 @@ from kvxfer.vllm import (
     cache_groups,
     connector_options,
     describe_engine_cache,
+    describe_mixed_cache,
     drop_last_prompt_token,
     select_transport,
 )
@@ -104,16 +107,18 @@ class PushStepMetadata(KVConnectorMetadata):
     registry host and port, the decode's blocks, prompt tokens its own cache holds, how
     many blocks are each KV cache group's or None for one group); `send`: prefill rooms to
     write, or whose streaming ended (request, room, the prefill's blocks, and in KV cache
-    groups each group's blocks by position instead); `abort`: decode rooms whose request
-    ended first (request, room); `stream`: the pages prefill requests complete in this step,
-    streamed layer by layer; `stop`: prefill rooms to abort (request, room, whether the
-    request ended: its blocks are reported once the room stopped; a preempted one runs on);
-    `idle`: the step scheduled no token."""
+    groups each group's blocks by position instead, the prompt's blocks); `abort`: decode
+    rooms whose request ended first (request, room); `stream`: the pages prefill requests
+    complete in this step, streamed layer by layer; `stop`: prefill rooms to abort
+    (request, room, whether the request ended: its blocks are reported once the room
+    stopped; a preempted one runs on); `idle`: the step scheduled no token."""
 
     open: list[tuple[str, int, str, int, list[int], int, list[int] | None]] = field(
         default_factory=list
     )
-    send: list[tuple[str, int, list[int], list[list[int]] | None]] = field(default_factory=list)
+    send: list[tuple[str, int, list[int], list[list[int]] | None, int]] = field(
+        default_factory=list
+    )
     abort: list[tuple[str, int]] = field(default_factory=list)
     stream: list[StepPages] = field(default_factory=list)
     stop: list[Stop] = field(default_factory=list)
@@ -146,14 +151,15 @@ class _Job:
 @dataclass
 class _Send:
     """A prefill room on a worker: its request and blocks (in KV cache groups: each group's
-    blocks by position, in `groups`), when the scheduler handed it over (`time.monotonic`);
-    `sent` once its WRITEs posted."""
+    blocks by position, in `groups`, and the prompt's block count `end`), when the scheduler
+    handed it over (`time.monotonic`); `sent` once its WRITEs posted."""
 
     req: str
     pages: list[int]
     since: float
     sent: bool = False
     groups: list[list[int]] | None = None
+    end: int = 0
 
 
 class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
@@ -187,19 +193,24 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is not None:
             self._groups = cache_groups(kv_cache_config, self._block_size)
             self._transfer_ids = tuple(kv_cache_config.transfer_group_ids)
-            if any(g.state for g in self._groups):
+            if len(self._groups) == 1 and self._groups[0].state:
                 raise ValueError(
-                    "kvxfer push: Mamba state is not supported in push mode yet; "
-                    "KvxferConnector (pull) moves Mamba caches"
+                    "kvxfer push: a model of Mamba layers alone is not supported in push mode "
+                    "yet (Mamba beside attention layers is); KvxferConnector (pull) moves it"
                 )
-        # A sliding window: the prefill stops before the last prompt token, which the decode
-        # computes (no block the decode's window reads is freed). Several groups or a window:
-        # each group's blocks move by position, whole pages after the step.
+        # A sliding window or Mamba state: the prefill stops before the last prompt token,
+        # which the decode computes (no block the decode's window reads is freed; a state
+        # holds every token it saw). Several groups or a window: each group's blocks move by
+        # position (a state group's page whole), whole pages after the step.
         self._sliding = any(g.window is not None for g in self._groups)
+        self._state = any(g.state for g in self._groups)
+        self._stops_short = self._sliding or self._state
         self._grouped = len(self._groups) > 1 or self._sliding
+        # Per group: a state group's speculative slots, None for attention.
+        self._scratch: list[int | None] = [g.scratch if g.state else None for g in self._groups]
         # Scheduler side.
         self._open: list[tuple[str, int, str, int, list[int], int, list[int] | None]] = []
-        self._send: list[tuple[str, int, list[int], list[list[int]] | None]] = []
+        self._send: list[tuple[str, int, list[int], list[list[int]] | None, int]] = []
         self._abort: list[tuple[str, int]] = []
         self._receiving: dict[str, int] = {}  # decode requests waiting for their room
         self._sending: set[str] = set()  # requests whose blocks wait for a room to end
@@ -233,7 +244,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and self._sliding:
+        if params and params.get("do_remote_decode") and self._stops_short:
             drop_last_prompt_token(request)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -241,8 +252,12 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         return (count, True) if count > 0 else (0, False)
 
     def _load_end(self, prompt: int) -> int:
-        """The prompt tokens a decode receives: all, or with a sliding window all but the
-        last, which it computes (the prefill stopped before it)."""
+        """The prompt tokens a decode receives: all, or with a sliding window or Mamba
+        state all but the last, which it computes (the prefill stopped before it). A
+        one-token prompt with state receives nothing: vLLM would compute that token again
+        on top of a state that holds it."""
+        if self._state:
+            return max(prompt - 1, 0)
         return prompt - 1 if self._sliding and prompt > 1 else prompt
 
     def update_state_after_alloc(
@@ -272,7 +287,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if self._grouped:
             ids = blocks.get_block_ids()
             try:
-                pages, counts = decode_pages([ids[i] for i in self._transfer_ids], first, end)
+                pages, counts = decode_pages(
+                    [ids[i] for i in self._transfer_ids], first, end, self._scratch
+                )
             except ValueError as e:
                 log.warning("request %s: %s", request.request_id, e)
                 pages = []
@@ -375,9 +392,15 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             return False, None
         n = pages_for(len(request.prompt_token_ids or []), self._block_size)
         if groups is not None:
-            # Each group's blocks up to the last prompt token's, by position.
-            groups = [g[:n] for g in groups]
-            if any(len(g) != n for g in groups):
+            # Each attention group's blocks up to the last prompt token's, by position (a
+            # state group's page is found when sent).
+            groups = [
+                g if spare is not None else g[:n]
+                for g, spare in zip(groups, self._scratch, strict=True)
+            ]
+            if any(
+                len(g) != n for g, spare in zip(groups, self._scratch, strict=True) if spare is None
+            ):
                 log.warning("request %s: fewer than its %d prompt blocks held", rid, n)
                 return False, None
             pages: list[int] = []
@@ -386,7 +409,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             if len(pages) != n:
                 log.warning("request %s: %d of its %d prompt blocks held", rid, len(pages), n)
                 return False, None
-        self._send.append((rid, room_of(rid), pages, groups))
+        self._send.append((rid, room_of(rid), pages, groups, n))
         self._sending.add(rid)
         # For the client, as NixlPushConnector answers: what was handed off, and where.
         return True, {
@@ -421,7 +444,13 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             # Only the transfer groups' layers move (vLLM rebuilds the others itself).
             moved = {name for g in self._groups for name in g.layers}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
-        layout = describe_engine_cache(kv_caches, cfg)
+        if self._state:
+            # Mamba beside attention: the attention cache's description over every layer,
+            # the state groups marked (their blocks are whole state pages of the same size).
+            layout = describe_mixed_cache(kv_caches, self._groups, cfg)
+            layout["state_groups"] = [i for i, g in enumerate(self._groups) if g.state]
+        else:
+            layout = describe_engine_cache(kv_caches, cfg)
         names = sorted(kv_caches, key=_layer_key)
         if self._grouped:
             # Each group's blocks move through its own layers; layers of different groups
@@ -526,11 +555,11 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 self._send_rooms[stop.room] = _Send(stop.req, [], now, sent=True)
         for sp in meta.stream:
             self._stream_step(sp)
-        for rid, room, pages, groups in meta.send:
+        for rid, room, pages, groups, end in meta.send:
             stream = self._streams.pop(room, None)
             # A streamed room's pages went out with its steps: it only has to end.
             self._send_rooms[room] = _Send(
-                rid, pages, now, sent=bool(stream and stream.active), groups=groups
+                rid, pages, now, sent=bool(stream and stream.active), groups=groups, end=end
             )
         # Before this step's forward pass, not after it: the pages of requests that ended
         # (their last step was the one before) go out while this step computes.
@@ -616,7 +645,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 # Each group's blocks at the positions of the decode's.
                 try:
                     pages = prefill_pages(
-                        s.groups, pre.decode_group_pages(room) or [], len(s.groups[0])
+                        s.groups, pre.decode_group_pages(room) or [], s.end, self._scratch
                     )
                 except ValueError as e:
                     log.warning("kvxfer push: request %s: not sent: %s", s.req, e)

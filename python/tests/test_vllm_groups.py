@@ -3,7 +3,7 @@ vLLM."""
 
 import pytest
 
-from kvxfer.vllm_groups import decode_pages, prefill_pages
+from kvxfer.vllm_groups import decode_pages, prefill_pages, state_page
 
 
 def test_the_decode_names_each_groups_blocks_past_its_prefix_without_nulls() -> None:
@@ -30,3 +30,18 @@ def test_the_prefill_writes_its_blocks_at_the_decodes_positions() -> None:
         prefill_pages(groups, [4], 4)
     with pytest.raises(ValueError, match="ending at block 5"):
         prefill_pages(groups, [1, 1], 5)
+
+
+def test_a_state_group_moves_its_state_page_whatever_its_position() -> None:
+    # Group 0 holds Mamba state: its page is the last block before one speculative slot.
+    assert state_page([0, 0, 7, 8], 1) == [7]
+    assert state_page([0, 7], 0) == [7]
+    assert state_page([0, 0], 0) == []
+    groups = [[0, 0, 31, 32], [11, 12, 13]]
+    pages, counts = decode_pages(groups, 0, 3, scratch=[1, None])
+    assert (pages, counts) == ([31, 11, 12, 13], [1, 3])
+    assert prefill_pages([[0, 41], [1, 2, 3]], counts, 3, scratch=[0, None]) == [41, 1, 2, 3]
+    with pytest.raises(ValueError, match="no state page"):
+        decode_pages([[0, 0], [1, 2]], 0, 2, scratch=[0, None])
+    with pytest.raises(ValueError, match="takes 2 state pages"):
+        prefill_pages([[0, 41], [1, 2, 3]], [2, 3], 3, scratch=[0, None])

@@ -55,7 +55,8 @@ macro_rules! push_scenarios {
             an_aborted_room_drains_only_after_its_writes_stopped,
             restarted_prefill_at_the_same_address_serves_new_rooms,
             malformed_control_messages_are_dropped_and_serving_continues,
-            room_requested_before_the_engine_adds_it, hybrid_groups_write_each_groups_pages);
+            room_requested_before_the_engine_adds_it, hybrid_groups_write_each_groups_pages,
+            state_group_beside_attention_writes_whole_pages);
         $crate::scenario_tests!($run, push_digest:
             content_digests_verify_rooms_across_tp_stages_and_mla,
             a_corrupted_write_and_a_changed_source_fail_their_rooms);

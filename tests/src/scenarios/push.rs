@@ -821,3 +821,85 @@ pub fn hybrid_groups_write_each_groups_pages<F: TransportFactory>(f: &F) {
     );
     plain.mem[0].kv.verify(&[]).expect("nothing written");
 }
+
+/// Mamba layers beside attention layers (Nemotron-H-style): layer 0's KV cache group holds
+/// state pages (one per request, a whole block each), layer 1's attention KV; on the decode
+/// both layers overlay one region. A room names the state group's page, then the attention
+/// group's: the state page moves whole, the attention blocks as KV, nothing else is written.
+/// A decode of another TP size is refused naming both sizes.
+pub fn state_group_beside_attention_writes_whole_pages<F: TransportFactory>(f: &F) {
+    use kvxfer_core::pull::KvCache;
+    fn marked(kv: &mut KvCache) {
+        kv.groups = Some(
+            kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2)
+                .and_then(|g| g.with_state(&[0]))
+                .expect("groups"),
+        );
+    }
+    fn overlaid(kv: &mut KvCache) {
+        marked(kv);
+        kv.bases = vec![kv.bases[0], kv.bases[0]];
+    }
+    let model = Model {
+        kind: kvxfer_layout::CacheKind::PackedKv,
+        ..Model::small(BlockOrder::Hnd, 2)
+    };
+    let mut s = Setup::new(model, 1, 1);
+    s.aux = 0;
+    s.prefill_kv = marked;
+    s.decode_kv = overlaid;
+    let c = clock();
+    let mut pre = prefill_on(f, &s, "state", Arc::clone(&c), None, None);
+    let mut dec = decode_on(f, &s, "state", Arc::clone(&c));
+    let port = pre.registry.port();
+    // The state page: prefill block 3 into 9; attention: blocks 5, 6 into 12, 13.
+    let src = [3u32, 5, 6];
+    dec.ranks[0].add_room_in_groups(1, ("127.0.0.1", port), vec![9, 12, 13], vec![1, 2], 0);
+    pre.ranks[0].add_room(1, src.len(), None, vec![]);
+    poll_until(&mut pre, &mut dec, |pre, _| {
+        pre.ranks[0].destinations_ready(1)
+    });
+    pre.ranks[0].send(1, &src).expect("send");
+    poll_until(&mut pre, &mut dec, |pre, dec| {
+        pre.ranks[0].status(1).is_some_and(|s| s.is_final())
+            && dec.ranks[0].status(1).is_some_and(|s| s.is_final())
+    });
+    assert_eq!(
+        dec.ranks[0].status(1),
+        Some(RoomStatus::Success),
+        "{:?} / {:?}",
+        dec.ranks[0].error(1),
+        pre.ranks[0].error(1)
+    );
+    // The decode's one region (layer 0's): block 9 holds layer 0's page 3 whole, blocks 12
+    // and 13 layer 1's blocks 5 and 6; layer 1's own memory, unused, stays untouched.
+    dec.mem[0]
+        .kv
+        .verify_with(&|layer, b| {
+            Some(match (layer, b) {
+                (0, 9) => Some((0, 3)),
+                (0, 12 | 13) => Some((1, b - 7)),
+                _ => None,
+            })
+        })
+        .expect("bytes");
+    // A decode of TP 2: each rank's state page is its own shard, so it cannot pair.
+    s.d = 2;
+    let mut wide = decode_on(f, &s, "state-wide", c);
+    for r in &mut wide.ranks {
+        r.add_room_in_groups(2, ("127.0.0.1", port), vec![9, 12, 13], vec![1, 2], 0);
+    }
+    poll_until(&mut pre, &mut wide, |_, dec| {
+        dec.ranks
+            .iter()
+            .all(|r| r.status(2) == Some(RoomStatus::Failed))
+    });
+    let e = wide.ranks[0].error(2).unwrap_or_default();
+    assert!(
+        e.contains("move between equal TP sizes only: decode 2, prefill 1"),
+        "{e}"
+    );
+    for m in &wide.mem {
+        m.kv.verify(&[]).expect("nothing written");
+    }
+}

@@ -48,6 +48,12 @@ pub(super) fn check_registration(
             name(&bufs.kv.groups)
         ));
     }
+    if groups.as_ref().is_some_and(|g| g.has_state()) && args.tp_size != tp_size {
+        return Err(format!(
+            "state KV cache groups (Mamba) move between equal TP sizes only: decode {}, prefill {tp_size}",
+            args.tp_size
+        ));
+    }
     match &groups {
         Some(g) => g.check_regions(&spec, &args.kv_bases),
         None => CacheSide::new(&spec, &args.kv_bases, 0).map(|_| ()),

@@ -282,7 +282,8 @@ struct Planned {
 /// decode's), heads `slice`, `layers` of them or all, into `ranges` (replaced). A cache in
 /// KV cache groups moves each group's share of the chunk through that group's layers only:
 /// the room's pages list group 0's, then group 1's, ... (`target.group_pages`), on both
-/// sides, and the two caches' groups are the same (checked at registration).
+/// sides, and the two caches' groups are the same (checked at registration); a state
+/// group's pages (Mamba) move whole.
 fn plan_chunk(
     kv: &crate::pull::KvCache,
     layers: Option<&std::ops::Range<u32>>,
@@ -300,10 +301,10 @@ fn plan_chunk(
         descriptors: 0,
     };
     let mut add =
-        |src: &CacheSide<'_>, dst: &CacheSide<'_>, src_pages: &[u32], dst_pages: &[u32]| {
+        |src: &CacheSide<'_>, dst: &CacheSide<'_>, slice: HeadSlice, pages: (&[u32], &[u32])| {
             let pairs = BlockPairs {
-                src: src_pages,
-                dst: dst_pages,
+                src: pages.0,
+                dst: pages.1,
                 windows: None,
             };
             plan_transfer_into(src, dst, slice, &pairs, PlanOptions::default(), plan)
@@ -322,7 +323,7 @@ fn plan_chunk(
         }
         .map_err(|e| e.to_string())?;
         let dst = CacheSide::new(target.spec, target.bases, 0).map_err(|e| e.to_string())?;
-        add(&src, &dst, pages.0, pages.1)?;
+        add(&src, &dst, slice, pages)?;
         return Ok(out);
     };
     if layers.is_some() {
@@ -357,6 +358,23 @@ fn plan_chunk(
             .map_err(layout)?;
         let src = CacheSide::new(&sspec, &sbases, 0).map_err(layout)?;
         let dst = CacheSide::new(&dspec, &dbases, 0).map_err(layout)?;
+        // A state group's page moves whole, rank to rank (the registration let through
+        // equal TP sizes only): one "head" of a page's bytes.
+        let slice = if groups.is_state(g) {
+            let whole = HeadSlice {
+                src_first: 0,
+                dst_first: 0,
+                count: kv.spec.kv_heads(),
+            };
+            if slice != whole {
+                return Err(format!(
+                    "KV cache group {g}: state pages move rank to rank whole, not heads {slice:?}"
+                ));
+            }
+            HeadSlice { count: 1, ..whole }
+        } else {
+            slice
+        };
         // Positions `from .. to` of the room, offsets `from - start ..` of the chunk.
         let (a, b) = (
             from.saturating_sub(target.start),
@@ -365,7 +383,7 @@ fn plan_chunk(
         let (Some(src_pages), Some(dst_pages)) = (pages.0.get(a..b), pages.1.get(a..b)) else {
             return Err(format!("KV cache group {g}: pages {a}..{b} past the chunk"));
         };
-        add(&src, &dst, src_pages, dst_pages)?;
+        add(&src, &dst, slice, (src_pages, dst_pages))?;
     }
     Ok(out)
 }
