@@ -31,13 +31,13 @@ after it, without vLLM's random ``-<8 hex>`` suffix.
 
 Supported today: dense models, and hybrid and sliding-window models (full and
 sliding-window attention layers, or Mamba layers beside attention layers, in several KV
-cache groups, vLLM's hybrid KV cache manager on): each attention group's blocks are written
-by position into the decode's blocks of that group, a Mamba group's state page whole
-(`kvxfer.vllm_groups`), whole pages after the prefill's last step (not layer by layer); with
-a sliding window or Mamba state the prefill stops one token short, which the decode computes
-itself, so that no block the decode's window reads is freed on either side and the state
-holds every token but that one. A model of Mamba layers alone is refused at start-up with
-the reason (use KvxferConnector, which pulls). Host memory. The decode's
+cache groups, vLLM's hybrid KV cache manager on), and Mamba models: each attention group's
+blocks are written by position into the decode's blocks of that group, a Mamba group's
+state page whole (`kvxfer.vllm_groups`), whole pages after the prefill's last step (not
+layer by layer); with a sliding window or Mamba state the prefill stops one token short,
+which the decode computes itself, so that no block the decode's window reads is freed on
+either side and the state holds every token but that one. Mamba state moves between equal
+TP sizes only (refused at registration otherwise). Host memory. The decode's
 blocks go back to vLLM only once no prefill rank can still write into them (a room aborted
 with the request is drained first).
 """
@@ -69,10 +69,11 @@ from kvxfer.vllm import (
     connector_options,
     describe_engine_cache,
     describe_mixed_cache,
+    describe_state_cache,
     drop_last_prompt_token,
     select_transport,
 )
-from kvxfer.vllm_groups import decode_pages, prefill_pages
+from kvxfer.vllm_groups import decode_pages, prefill_pages, state_page
 from kvxfer.vllm_stats import KvxferPushPromMetrics, KvxferPushStats, StatsHooks
 from kvxfer.vllm_streams import StepPages, Stop, StreamPlan, pages_for
 
@@ -193,11 +194,6 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is not None:
             self._groups = cache_groups(kv_cache_config, self._block_size)
             self._transfer_ids = tuple(kv_cache_config.transfer_group_ids)
-            if len(self._groups) == 1 and self._groups[0].state:
-                raise ValueError(
-                    "kvxfer push: a model of Mamba layers alone is not supported in push mode "
-                    "yet (Mamba beside attention layers is); KvxferConnector (pull) moves it"
-                )
         # A sliding window or Mamba state: the prefill stops before the last prompt token,
         # which the decode computes (no block the decode's window reads is freed; a state
         # holds every token it saw). Several groups or a window: each group's blocks move by
@@ -206,6 +202,8 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         self._state = any(g.state for g in self._groups)
         self._stops_short = self._sliding or self._state
         self._grouped = len(self._groups) > 1 or self._sliding
+        # Mamba alone: one state page per request, moved whole.
+        self._state_only = self._state and len(self._groups) == 1
         # Per group: a state group's speculative slots, None for attention.
         self._scratch: list[int | None] = [g.scratch if g.state else None for g in self._groups]
         # Scheduler side.
@@ -296,6 +294,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             if cached % self._block_size:
                 pages = []
             expected = len(pages)
+        elif self._state_only:
+            pages = state_page(blocks.get_block_ids()[0], self._groups[0].scratch)
+            expected = 1
         else:
             held = _held(list(blocks.get_unhashed_block_ids_all_groups()[0]))
             pages = held[: end - first] if cached % self._block_size == 0 else []
@@ -404,6 +405,11 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 log.warning("request %s: fewer than its %d prompt blocks held", rid, n)
                 return False, None
             pages: list[int] = []
+        elif self._state_only:
+            pages = state_page(block_ids, self._groups[0].scratch)
+            if not pages:
+                log.warning("request %s: no state page held", rid)
+                return False, None
         else:
             pages = _held(list(block_ids))[:n]
             if len(pages) != n:
@@ -444,13 +450,20 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             # Only the transfer groups' layers move (vLLM rebuilds the others itself).
             moved = {name for g in self._groups for name in g.layers}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
-        if self._state:
-            # Mamba beside attention: the attention cache's description over every layer,
-            # the state groups marked (their blocks are whole state pages of the same size).
+        total_kv_heads = cfg.model_config.get_total_num_kv_heads()
+        if self._state and len(self._groups) == 1:
+            # Mamba alone: each layer's state pages, one per block. One page per rank: the
+            # model's "heads" are its TP ranks.
+            layout = describe_state_cache(kv_caches)
+            total_kv_heads = tp_size
+        elif self._state:
+            # Mamba beside attention: the attention cache's description over every layer
+            # (their blocks are whole state pages of the same size).
             layout = describe_mixed_cache(kv_caches, self._groups, cfg)
-            layout["state_groups"] = [i for i, g in enumerate(self._groups) if g.state]
         else:
             layout = describe_engine_cache(kv_caches, cfg)
+        if self._state and not self._state_only:
+            layout["state_groups"] = [i for i, g in enumerate(self._groups) if g.state]
         names = sorted(kv_caches, key=_layer_key)
         if self._grouped:
             # Each group's blocks move through its own layers; layers of different groups
@@ -471,7 +484,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 "kvxfer push: a cross-layer cache holds every layer in each block: pages are "
                 "written once the prefill ends, not layer by layer"
             )
-        layout["total_kv_heads"] = cfg.model_config.get_total_num_kv_heads()
+        layout["total_kv_heads"] = total_kv_heads
         layout["total_layers"] = cfg.model_config.hf_text_config.num_hidden_layers
         transport = select_transport(self._extra)
         e = self._extra

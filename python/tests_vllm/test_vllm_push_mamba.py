@@ -1,33 +1,27 @@
-"""A Nemotron-H (Mamba2 layers beside attention layers) in vLLM's push flow with
-KvxferPushConnector: a KV cache group of Mamba state pages (one running state per request,
-padded to the attention block) and one of attention KV, laid over the same memory. The
-prefill stops before the last prompt token and writes each Mamba layer's state page whole
-and the attention blocks by position; the decode computes the last token itself and must
-generate what it generates computing the whole prompt. One pair of engines (UCX)."""
+"""A Mamba2 model (per-request recurrent state instead of a KV cache) in vLLM's push flow
+with KvxferPushConnector: the prefill computes every prompt token but the last and writes
+each layer's state page (convolution state, then SSM state) whole into the decode's state
+block; the decode computes the last prompt token on that state and must generate what it
+generates computing the whole prompt. One pair of engines (UCX)."""
 
 import time
 from collections.abc import Iterator
 
 import pytest
 from conftest import _usable_or_skip, running
-from flows import BLOCK, assert_same_output, decode, prompt
-from harness import NEMOTRON_MODEL, Engine, free_port
+from flows import assert_same_output, decode, prompt
+from harness import MAMBA_MODEL, Engine, free_port
 from test_vllm_push import PUSH, handoff, push_metrics
 
-# make_model.py's `nemotron-h`: Mamba, attention, Mamba, attention.
-STATE_LAYERS, ATTENTION_LAYERS = (0, 2), (1, 3)
-# vLLM's group order for it: the Mamba group, then the attention group.
-STATE_GROUP, ATTENTION_GROUP = 0, 1
-# An attention block (2 KV heads x 32 tokens x (K + V of 64) x fp32); vLLM pads each state
-# page to it, and the padding moves too.
-PAGE = 2 * BLOCK * 2 * 64 * 4
+LAYERS = 2
+PAGE = 3 * 288 * 4 + 8 * 32 * 16 * 4  # conv (3 taps x 288 channels) + SSM (8 x 32 x 16), fp32
 
 
 @pytest.fixture(scope="module")
 def push_mamba_engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Engine, Engine, int]]:
-    _usable_or_skip("ucx", NEMOTRON_MODEL)
+    _usable_or_skip("ucx", MAMBA_MODEL)
     logdir = tmp_path_factory.mktemp("vllm-push-mamba")
     port = free_port()
     extra = {"transport": "ucx", "bootstrap_timeout": 10.0, "waiting_timeout": 60.0}
@@ -39,7 +33,7 @@ def push_mamba_engines(
                 {**extra, "side_channel_port": port},
                 logdir,
                 connector=PUSH,
-                model=NEMOTRON_MODEL,
+                model=MAMBA_MODEL,
             ),
             Engine(
                 "decode-push-mamba",
@@ -47,7 +41,7 @@ def push_mamba_engines(
                 {**extra, "side_channel_port": free_port()},
                 logdir,
                 connector=PUSH,
-                model=NEMOTRON_MODEL,
+                model=MAMBA_MODEL,
             ),
         ],
         logdir,
@@ -55,50 +49,37 @@ def push_mamba_engines(
         yield p, d, port
 
 
-def test_state_pages_and_attention_blocks_are_written_and_outputs_equal_a_local_run(
+def test_the_state_pages_are_written_and_outputs_equal_a_local_run(
     push_mamba_engines: tuple[Engine, Engine, int],
 ) -> None:
     p, d, port = push_mamba_engines
     lengths = [12, 100, 161, 300]  # 300: past the 256-token scan chunk
-    xs = [prompt(190 + i, n) for i, n in enumerate(lengths)]
-    before = d.call({"op": "kv_hashes"})
+    xs = [prompt(210 + i, n) for i, n in enumerate(lengths)]
     external = d.call({"op": "external_tokens"})
     written = push_metrics(p).get("vllm:kvxfer_push_bytes", 0)
     p_out, remote = handoff(p, d, port, xs, xs, timeout=240)
+    for n, out in zip(lengths, p_out, strict=True):
+        assert out["params"]["remote_num_tokens"] == n - 1, out["params"]
     # All but the last prompt token came from the prefill: the decode computed that one.
     assert d.call({"op": "external_tokens"}) - external == sum(lengths) - len(lengths)
-    # Per request: each Mamba layer's page, each attention layer's blocks; nothing else.
-    blocks = sum(-(-(n - 1) // BLOCK) for n in lengths)
-    expected = (len(xs) * len(STATE_LAYERS) + blocks * len(ATTENTION_LAYERS)) * PAGE
+    # One page per layer and request, nothing else.
+    expected = len(xs) * LAYERS * PAGE
     deadline = time.monotonic() + 30
     while push_metrics(p).get("vllm:kvxfer_push_bytes", 0) - written < expected:
         assert time.monotonic() < deadline, push_metrics(p)
         time.sleep(0.1)
     assert push_metrics(p)["vllm:kvxfer_push_bytes"] - written == expected
-    # The attention blocks the prefill filled are, byte for byte, in the decode's cache (the
-    # state pages the decode updates in place as it computes).
-    p_blocks = p.call({"op": "kv_hashes"})
-    after = d.call({"op": "kv_hashes"})
-    for n, out in zip(lengths, p_out, strict=True):
-        params = out["params"]
-        assert params["remote_num_tokens"] == n - 1, params
-        ids = params["remote_block_ids"][ATTENTION_GROUP]
-        for layer in ATTENTION_LAYERS:
-            for block in ids[: (n - 1) // BLOCK]:
-                h = p_blocks[str(layer)][str(block)]
-                assert h in after[str(layer)].values(), f"{n}: layer {layer} block {block}"
-                assert h not in before[str(layer)].values(), f"{n}: layer {layer} {block} was there"
     local = decode(d, xs, [None] * len(xs))
     for r, q in zip(remote, local, strict=True):
         assert_same_output(r, q)
 
 
-def test_state_and_kv_of_another_prompt_change_the_output(
+def test_the_state_of_another_prompt_changes_the_output(
     push_mamba_engines: tuple[Engine, Engine, int],
 ) -> None:
     p, d, port = push_mamba_engines
-    x, y = prompt(200, 130), prompt(201, 130)
+    x, y = prompt(220, 130), prompt(221, 130)
     _, (wrong,) = handoff(p, d, port, [y], [x], timeout=240)
     (local,) = decode(d, [x], [None])
     assert wrong["finish"] == "length", wrong
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV written to it"
+    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the state written to it"
