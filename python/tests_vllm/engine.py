@@ -15,7 +15,7 @@ of the block (vLLM's CPU cache: [blocks, kv_heads, block_size, 2 * head_size]); 
 Usage: engine.py ROLE MODEL OPTIONS_JSON KV_TRANSFER_CONFIG_JSON, where the options are
 `dtype` (float32), `kv_cache_dtype` (auto), `block_size` (32), `prefix_caching` (false),
 `max_model_len` (1024), `max_num_seqs` (8), `tp` (tensor parallel size, 1), `attention_backend`
-(vLLM's choice).
+(vLLM's choice), `num_blocks` (the KV cache's blocks: vLLM's choice).
 """
 
 import json
@@ -176,6 +176,7 @@ def main() -> None:
         enforce_eager=True,
         enable_prefix_caching=bool(opts.get("prefix_caching", False)),
         tensor_parallel_size=int(opts.get("tp", 1)),
+        num_gpu_blocks_override=opts.get("num_blocks"),
         attention_backend=opts.get("attention_backend"),
         disable_log_stats=False,
         kv_transfer_config=ktc,
