@@ -458,6 +458,21 @@ pub fn engine_with<T: Transport>(
     engine_tp_with(name, model, 1, prefill, make, kv)
 }
 
+/// Like [`engine_with`], each rank's settings changed by `tune` (a vLLM-protocol peer).
+pub fn engine_tuned_with<T: Transport>(
+    name: &str,
+    model: &Model,
+    prefill: bool,
+    make: &dyn Fn(&str) -> T,
+    tune: &dyn Fn(&mut PullConfig),
+    kv: &dyn Fn(&RankCache) -> KvCache,
+) -> Engine<T> {
+    let clock: Arc<dyn Clock> = Arc::new(kvxfer_core::clock::SystemClock::default());
+    let bases = candidate_ports(name, prefill);
+    build(name, model, 1, prefill, bases, clock, make, tune, kv)
+        .unwrap_or_else(|| panic!("no free port range for {name}"))
+}
+
 /// Like [`engine_with`] with `tp` ranks.
 pub fn engine_tp_with<T: Transport>(
     name: &str,
