@@ -57,6 +57,9 @@ struct Armed {
     corrupt_writes: usize,
     /// Whether those bytes are flipped back once their WRITEs completed.
     restore_writes: bool,
+    /// Posts that go through before one of them also writes a stray byte (the caller's
+    /// choice of what that post writes outside its ranges: see `stray_write_after`).
+    stray: Option<usize>,
 }
 
 /// How one post goes.
@@ -133,6 +136,31 @@ impl FaultSwitch {
         let armed = *n > 0;
         *n = n.saturating_sub(1);
         armed
+    }
+
+    /// After `skip` more posts, the next post with ranges also flips the byte two past the
+    /// end of its last destination range (remote for a WRITE, local for a READ): a stray
+    /// write outside what the transfer names, for a check that must catch one. The caller
+    /// guarantees that byte is memory of a destination buffer in this process (the loopback,
+    /// host memory).
+    pub fn stray_write_after(&self, skip: usize) {
+        self.armed().stray = Some(skip);
+    }
+
+    /// Consumes one post's share of an armed stray write: whether this post makes it.
+    fn take_stray(&self) -> bool {
+        let mut a = self.armed();
+        match a.stray {
+            Some(0) => {
+                a.stray = None;
+                true
+            }
+            Some(n) => {
+                a.stray = Some(n - 1);
+                false
+            }
+            None => false,
+        }
     }
 
     /// The next `n` notifications sent through the transport fail without being sent.
@@ -333,6 +361,15 @@ impl<T: Transport> Transport for Faulty<T> {
             }
             t.post(op, peer, kind, local, remote, notification)
         })?;
+        let dst = match op {
+            Op::Write => remote.last(),
+            Op::Read => local.last(),
+        };
+        if let Some(d) = dst.filter(|_| self.switch.take_stray()) {
+            // SAFETY: the caller of `stray_write_after` guarantees this byte is memory of a
+            // destination buffer in this process.
+            unsafe { *((d.addr + d.len + 1) as *mut u8) ^= 0xFF };
+        }
         let forwarded = matches!(self.xfers.get(&x), Some(Posted::Inner(_)));
         if let (Some((addr, true)), true) = (flip, forwarded) {
             self.restore.insert(x, addr);

@@ -28,6 +28,29 @@ fn check(label: &str, r: &kvxfer_tests::soak::SoakReport, expected: usize) {
     );
 }
 
+/// A stray byte written outside every range a transfer names, past the guard byte that the
+/// per-transfer check reads, on the transfer whose end runs the whole-buffer check: that
+/// check alone finds it, and the transfer counts as corrupt.
+#[test]
+fn the_whole_buffer_check_catches_a_stray_write() {
+    use kvxfer_tests::faulty::Faulty;
+    let c = SoakConfig {
+        transfers: 1_000,
+        warmup: 100,
+        max_len: 4 << 10,
+        buffer: 1 << 20,
+        ..SoakConfig::default()
+    };
+    let a = Faulty::new(LoopbackTransport::new("stray-a").unwrap());
+    let b = LoopbackTransport::new("stray-b").unwrap();
+    // Transfer 999 (the 1000th post) is the first after which the whole buffer is checked.
+    a.faults().stray_write_after(999);
+    let b = Faulty::new(b);
+    let r = run(a, b, &c);
+    assert_eq!((r.transfers, r.failed), (c.transfers, 0));
+    assert_eq!(r.corrupt, 1, "the stray byte went unnoticed");
+}
+
 /// One test, so the two soaks do not share the process's resident memory at the same time.
 #[test]
 fn short_soaks() {
