@@ -3,7 +3,6 @@ decode is asked first and opens a room for its blocks at the prefill, the prefil
 the prompt and WRITEs its blocks into them; the decode must produce what it produces
 computing the prompt itself. One pair of engines (UCX), several cases."""
 
-import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,12 +18,11 @@ from flows import (
     prompt,
 )
 from harness import Engine, free_port
+from push_flows import PUSH, handoff, push_metrics, push_params, request_id
 
-PUSH = ("KvxferPushConnector", "kvxfer.vllm")
 STEP = 64  # the prefill's tokens per step
 SHORT = 48  # prompts shorter than this are sent whole after their last step
 LAYERS = 2  # the test model's
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -54,61 +52,6 @@ def push_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Eng
         logdir,
     ) as (p, d):
         yield p, d, port
-
-
-def push_params(port: int, rid: str) -> dict[str, Any]:
-    """What a router gives the decode in vLLM's push flow."""
-    return {
-        "do_remote_prefill": True,
-        "remote_engine_id": "kvxfer-test-prefill",
-        "remote_request_id": rid,
-        "remote_host": "127.0.0.1",
-        "remote_port": port,
-        "tp_size": 1,
-    }
-
-
-def handoff(
-    p: Engine,
-    d: Engine,
-    port: int,
-    p_prompts: list[list[int]],
-    d_prompts: list[list[int]],
-    asked_first: bool = False,
-    timeout: float = 120,
-    max_tokens: int = DECODE_TOKENS,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Posts `d_prompts` to the decode first, then `p_prompts` to the prefill under the same
-    ids (as a router does); returns the prefill's and the decode's outputs (`max_tokens`
-    each). `asked_first`: the prefill gets its requests only once it holds every decode's
-    room."""
-    ids = [f"push-{next(_ids)}" for _ in d_prompts]
-    d.send(
-        {
-            "op": "generate",
-            "max_tokens": max_tokens,
-            "requests": [
-                {"id": i, "prompt": x, "params": push_params(port, i)}
-                for i, x in zip(ids, d_prompts, strict=True)
-            ],
-        }
-    )
-    deadline = time.monotonic() + timeout
-    while asked_first and not all(p.call({"op": "push_room_ready", "id": i}) for i in ids):
-        assert time.monotonic() < deadline, "the decode's rooms never reached the prefill"
-        time.sleep(0.01)
-    p_out = p.call(
-        {
-            "op": "generate",
-            "max_tokens": 1,
-            "requests": [
-                {"id": i, "prompt": x, "params": {"do_remote_decode": True}}
-                for i, x in zip(ids, p_prompts, strict=True)
-            ],
-        },
-        timeout=timeout,
-    )
-    return p_out, d.wait(timeout)
 
 
 def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
@@ -145,10 +88,6 @@ def test_blocks_are_written_byte_identical_and_output_equals_a_local_run(
     assert now.get("vllm:kvxfer_push_failed_rooms", 0) == metrics.get(
         "vllm:kvxfer_push_failed_rooms", 0
     )
-
-
-def push_metrics(e: Engine) -> dict[str, float]:
-    return e.call({"op": "metrics", "prefix": "vllm:kvxfer_push_"})
 
 
 def test_kv_of_another_prompt_changes_the_output(
@@ -270,7 +209,7 @@ def test_a_decode_that_aborts_mid_stream_serves_on_unharmed(
     block out again only after every other free block): the push core's tests show it."""
     p, d, port = push_engines
     x, y = prompt(63, LONG), prompt(64, LONG)
-    rid = f"push-{next(_ids)}"
+    rid = request_id()
     # The decode aborts the request once the prefill's WRITEs into its blocks have begun.
     d.send(streaming(port, rid, x, "abort"))
     p_out = p.call(prefill_cmd(rid, x))
@@ -292,7 +231,7 @@ def test_a_prefill_killed_mid_stream_fails_the_decodes_request_and_it_serves_on(
     """Last in this module: the prefill does not come back."""
     p, d, port = push_engines
     x, y = prompt(65, LONG), prompt(66, 200)
-    rid = f"push-{next(_ids)}"
+    rid = request_id()
     d.send(streaming(port, rid, x, "report"))
     p.send(prefill_cmd(rid, x))
     assert d.wait(120) == {"transferring": rid}

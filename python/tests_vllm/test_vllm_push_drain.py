@@ -17,7 +17,7 @@ import pytest
 from conftest import _usable_or_skip, running
 from flows import DECODE_TOKENS, assert_same_output, decode, prompt
 from harness import Engine, free_port
-from test_vllm_push import PUSH, push_params
+from push_flows import PUSH, push_params
 
 GATED = ("GatedPushConnector", "gated_connectors")
 # 45 blocks of 32 tokens: a 960-token request holds 30, the next one needs 31.

@@ -6,52 +6,25 @@ writes its blocks of each group at the same positions, through that group's laye
 The prefill stops before the last prompt token, which the decode computes, so that no block
 the decode's window reads is freed. One pair of engines (UCX), several cases."""
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import HYBRID_MODEL, _usable_or_skip, running
+from conftest import HYBRID_MODEL
 from flows import BLOCK, assert_same_output, decode, prompt
-from harness import Engine, free_port
-from test_vllm_push import PUSH, handoff
+from harness import Engine
+from push_flows import assert_pushed_kv_of_another_prompt_changes_the_output, handoff, push_pair
 
 WINDOW = 64
 # vLLM's group order for this model: full attention (layers 0, 2), sliding window (1, 3).
 GROUP_OF_LAYER = {0: 0, 1: 1, 2: 0, 3: 1}
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def push_hybrid_engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Engine, Engine, int]]:
-    _usable_or_skip("ucx", HYBRID_MODEL)
-    logdir = tmp_path_factory.mktemp("vllm-push-hybrid")
-    port = free_port()
-    extra = {"transport": "ucx", "bootstrap_timeout": 10.0, "waiting_timeout": 60.0}
-    with running(
-        [
-            Engine(
-                "prefill-push-hybrid",
-                "0",
-                {**extra, "side_channel_port": port},
-                logdir,
-                connector=PUSH,
-                model=HYBRID_MODEL,
-            ),
-            Engine(
-                "decode-push-hybrid",
-                "1",
-                {**extra, "side_channel_port": free_port()},
-                logdir,
-                connector=PUSH,
-                model=HYBRID_MODEL,
-            ),
-        ],
-        logdir,
-    ) as (p, d):
-        yield p, d, port
+    yield from push_pair(tmp_path_factory, "push-hybrid", HYBRID_MODEL)
 
 
 def written_blocks(params: dict[str, Any], n: int) -> dict[int, list[int]]:
@@ -118,8 +91,4 @@ def test_kv_of_another_prompt_changes_the_output(
     push_hybrid_engines: tuple[Engine, Engine, int],
 ) -> None:
     p, d, port = push_hybrid_engines
-    x, y = prompt(150, 130), prompt(151, 130)
-    _, (wrong,) = handoff(p, d, port, [y], [x], timeout=240)
-    (local,) = decode(d, [x], [None])
-    assert wrong["finish"] == "length", wrong
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV written to it"
+    assert_pushed_kv_of_another_prompt_changes_the_output(p, d, port, 150)

@@ -8,10 +8,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import _usable_or_skip, running
 from flows import assert_same_output, decode, prompt
-from harness import MAMBA_MODEL, Engine, free_port
-from test_vllm_push import PUSH, handoff, push_metrics
+from harness import MAMBA_MODEL, Engine
+from push_flows import (
+    assert_pushed_kv_of_another_prompt_changes_the_output,
+    handoff,
+    push_metrics,
+    push_pair,
+)
 
 LAYERS = 2
 PAGE = 3 * 288 * 4 + 8 * 32 * 16 * 4  # conv (3 taps x 288 channels) + SSM (8 x 32 x 16), fp32
@@ -21,32 +25,7 @@ PAGE = 3 * 288 * 4 + 8 * 32 * 16 * 4  # conv (3 taps x 288 channels) + SSM (8 x 
 def push_mamba_engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Engine, Engine, int]]:
-    _usable_or_skip("ucx", MAMBA_MODEL)
-    logdir = tmp_path_factory.mktemp("vllm-push-mamba")
-    port = free_port()
-    extra = {"transport": "ucx", "bootstrap_timeout": 10.0, "waiting_timeout": 60.0}
-    with running(
-        [
-            Engine(
-                "prefill-push-mamba",
-                "0",
-                {**extra, "side_channel_port": port},
-                logdir,
-                connector=PUSH,
-                model=MAMBA_MODEL,
-            ),
-            Engine(
-                "decode-push-mamba",
-                "1",
-                {**extra, "side_channel_port": free_port()},
-                logdir,
-                connector=PUSH,
-                model=MAMBA_MODEL,
-            ),
-        ],
-        logdir,
-    ) as (p, d):
-        yield p, d, port
+    yield from push_pair(tmp_path_factory, "push-mamba", MAMBA_MODEL)
 
 
 def test_the_state_pages_are_written_and_outputs_equal_a_local_run(
@@ -78,8 +57,4 @@ def test_the_state_of_another_prompt_changes_the_output(
     push_mamba_engines: tuple[Engine, Engine, int],
 ) -> None:
     p, d, port = push_mamba_engines
-    x, y = prompt(220, 130), prompt(221, 130)
-    _, (wrong,) = handoff(p, d, port, [y], [x], timeout=240)
-    (local,) = decode(d, [x], [None])
-    assert wrong["finish"] == "length", wrong
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the state written to it"
+    assert_pushed_kv_of_another_prompt_changes_the_output(p, d, port, 220)

@@ -9,10 +9,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import _usable_or_skip, running
 from flows import BLOCK, assert_same_output, decode, prompt
-from harness import NEMOTRON_MODEL, Engine, free_port
-from test_vllm_push import PUSH, handoff, push_metrics
+from harness import NEMOTRON_MODEL, Engine
+from push_flows import (
+    assert_pushed_kv_of_another_prompt_changes_the_output,
+    handoff,
+    push_metrics,
+    push_pair,
+)
 
 # make_model.py's `nemotron-h`: Mamba, attention, Mamba, attention.
 STATE_LAYERS, ATTENTION_LAYERS = (0, 2), (1, 3)
@@ -27,32 +31,7 @@ PAGE = 2 * BLOCK * 2 * 64 * 4
 def push_mamba_engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Engine, Engine, int]]:
-    _usable_or_skip("ucx", NEMOTRON_MODEL)
-    logdir = tmp_path_factory.mktemp("vllm-push-mamba")
-    port = free_port()
-    extra = {"transport": "ucx", "bootstrap_timeout": 10.0, "waiting_timeout": 60.0}
-    with running(
-        [
-            Engine(
-                "prefill-push-mamba",
-                "0",
-                {**extra, "side_channel_port": port},
-                logdir,
-                connector=PUSH,
-                model=NEMOTRON_MODEL,
-            ),
-            Engine(
-                "decode-push-mamba",
-                "1",
-                {**extra, "side_channel_port": free_port()},
-                logdir,
-                connector=PUSH,
-                model=NEMOTRON_MODEL,
-            ),
-        ],
-        logdir,
-    ) as (p, d):
-        yield p, d, port
+    yield from push_pair(tmp_path_factory, "push-mamba-hybrid", NEMOTRON_MODEL)
 
 
 def test_state_pages_and_attention_blocks_are_written_and_outputs_equal_a_local_run(
@@ -97,8 +76,4 @@ def test_state_and_kv_of_another_prompt_change_the_output(
     push_mamba_engines: tuple[Engine, Engine, int],
 ) -> None:
     p, d, port = push_mamba_engines
-    x, y = prompt(200, 130), prompt(201, 130)
-    _, (wrong,) = handoff(p, d, port, [y], [x], timeout=240)
-    (local,) = decode(d, [x], [None])
-    assert wrong["finish"] == "length", wrong
-    assert wrong["logprobs"] != local["logprobs"], "the decode ignored the KV written to it"
+    assert_pushed_kv_of_another_prompt_changes_the_output(p, d, port, 200)

@@ -10,7 +10,7 @@ import pytest
 from conftest import _usable_or_skip, running
 from flows import decode, prompt
 from harness import Engine, free_port
-from test_vllm_push import PUSH, handoff
+from push_flows import PUSH, handoff
 
 STOCK_PUSH = ("NixlPushConnector", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import _usable_or_skip, running
 from flows import BLOCK, assert_same_output, decode, prompt
 from harness import Engine, free_port
-from test_vllm_push import PUSH, handoff
+from push_flows import PUSH, handoff
 
 HeadHashes = dict[str, dict[str, list[str]]]  # layer -> block -> one hash per KV head
 
