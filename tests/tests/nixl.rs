@@ -181,6 +181,30 @@ fn fragmented_requests_post_by_index() {
 /// (`HB:` heartbeats too, where one went out before the read finished); reads too close to
 /// the prefill's expiry declined; a decode with other compatibility factors refused, naming
 /// the hash. (Both sides are kvxfer: interop with vLLM itself is `tests_vllm`'s.)
+/// The settings of an engine speaking vLLM 0.32.0's handshake for `model` (the test model's
+/// factors, the hash enforced).
+fn vllm_peer(model: &str) -> kvxfer_core::pull::VllmCompat {
+    kvxfer_core::pull::VllmCompat {
+        factors: kvxfer_core::wire::vllm::CompatFactors {
+            vllm_version: "0.32.0".into(),
+            nixl_connector_version: 14,
+            model: model.into(),
+            dtype: "torch.float16".into(),
+            num_kv_heads: 4,
+            head_size: 8,
+            num_hidden_layers: 2,
+            attn_backend_name: "kvxfer".into(),
+            cache_dtype: "auto".into(),
+            is_hma_enabled: true,
+            speculative_config: serde_json::Value::Null,
+            transfer_mode: "pull".into(),
+        },
+        enforce_hash: true,
+        region_names: Vec::new(),
+        serve_decodes: true,
+    }
+}
+
 /// A hybrid model's cache (layer 0 in KV cache group 0, layer 1 in group 1, the two layers
 /// over the same memory on each side, as vLLM lays them out) between engines speaking vLLM's
 /// handshake: the prefill serves its regions deduplicated, as vLLM registers them (one per
@@ -190,32 +214,11 @@ fn fragmented_requests_post_by_index() {
 #[test]
 fn a_hybrid_cache_pairs_over_the_vllm_handshake() {
     run("vllm-hybrid", |f| {
-        use kvxfer_core::pull::{KvCache, PullConfig, VllmCompat};
-        use kvxfer_core::wire::vllm::CompatFactors;
+        use kvxfer_core::pull::{KvCache, PullConfig};
         use kvxfer_tests::pull_env::{Model, RankCache, engine_tuned_with};
-        use kvxfer_tests::scenarios::pull::{mk, poll_until_pair};
+        use kvxfer_tests::scenarios::pull::{loaded_handoff_with, mk};
 
-        let tune = |c: &mut PullConfig| {
-            c.vllm = Some(VllmCompat {
-                factors: CompatFactors {
-                    vllm_version: "0.32.0".into(),
-                    nixl_connector_version: 14,
-                    model: "hybrid".into(),
-                    dtype: "torch.float16".into(),
-                    num_kv_heads: 4,
-                    head_size: 8,
-                    num_hidden_layers: 2,
-                    attn_backend_name: "kvxfer".into(),
-                    cache_dtype: "auto".into(),
-                    is_hma_enabled: true,
-                    speculative_config: serde_json::Value::Null,
-                    transfer_mode: "pull".into(),
-                },
-                enforce_hash: true,
-                region_names: Vec::new(),
-                serve_decodes: true,
-            });
-        };
+        let tune = |c: &mut PullConfig| c.vllm = Some(vllm_peer("hybrid"));
         let model = Model::small(kvxfer_layout::BlockOrder::Hnd, 4);
         let overlaid = |c: &RankCache| {
             let mut kv = KvCache {
@@ -230,41 +233,15 @@ fn a_hybrid_cache_pairs_over_the_vllm_handshake() {
         };
         let mut pre = engine_tuned_with("vh-P", &model, true, &mk(f), &tune, &overlaid);
         let mut dec = engine_tuned_with("vh-D", &model, false, &mk(f), &tune, &overlaid);
-        let asks = kvxfer_core::wire::params::KvTransferParams {
-            do_remote_decode: true,
-            ..Default::default()
-        };
-        let handed = [vec![1u32, 2, 3], vec![5, 6]];
-        let mut params = pre
-            .scheduler
-            .request_finished("r", Some(&asks), true, &handed, None)
-            .params
-            .expect("params");
         // As a stock prefill hands them: no kvxfer version.
-        params.kvxfer_protocol = None;
-        let meta = pre.scheduler.build_step_meta();
-        pre.workers[0].start_load_kv(&meta);
-        dec.scheduler
-            .after_alloc(
-                "r",
-                &mut params,
-                &[vec![8, 9, 10], vec![12]],
-                12,
-                None,
-                None,
-            )
-            .expect("after alloc");
-        let meta = dec.scheduler.build_step_meta();
-        dec.workers[0].start_load_kv(&meta);
-        let mut failures = Vec::new();
-        poll_until_pair(
-            &mut dec,
+        loaded_handoff_with(
             &mut pre,
-            &mut [false],
-            &mut [false],
-            &mut failures,
+            &mut dec,
+            &[vec![1, 2, 3], vec![5, 6]],
+            &[vec![8, 9, 10], vec![12]],
+            12,
+            &|p| p.kvxfer_protocol = None,
         );
-        assert!(failures.is_empty(), "{failures:?}");
         // The shared memory (layer 0's regions): group 0's blocks 1-3 into 8-10, group 1's
         // block 6 (the tail of 5, 6) into 12; layer 1's own regions, unused, untouched.
         dec.caches[0]
@@ -282,33 +259,13 @@ fn a_hybrid_cache_pairs_over_the_vllm_handshake() {
 #[test]
 fn the_vllm_handshake_pairs_over_plain_nixl_metadata() {
     run("vllm-protocol", |f| {
-        use kvxfer_core::pull::{PullConfig, VllmCompat};
-        use kvxfer_core::wire::vllm::CompatFactors;
+        use kvxfer_core::pull::PullConfig;
         use kvxfer_tests::pull_env::{Model, engine};
         use kvxfer_tests::scenarios::pull::{clock, first_failure, mk, poll_until_pair};
 
-        let factors = |model: &str| CompatFactors {
-            vllm_version: "0.32.0".into(),
-            nixl_connector_version: 14,
-            model: model.into(),
-            dtype: "torch.float16".into(),
-            num_kv_heads: 4,
-            head_size: 8,
-            num_hidden_layers: 2,
-            attn_backend_name: "kvxfer".into(),
-            cache_dtype: "auto".into(),
-            is_hma_enabled: true,
-            speculative_config: serde_json::Value::Null,
-            transfer_mode: "pull".into(),
-        };
         let tune = |model: &'static str| {
             move |c: &mut PullConfig| {
-                c.vllm = Some(VllmCompat {
-                    factors: factors(model),
-                    enforce_hash: true,
-                    region_names: Vec::new(),
-                    serve_decodes: true,
-                });
+                c.vllm = Some(vllm_peer(model));
                 c.heartbeat_interval = std::time::Duration::from_millis(1);
             }
         };

@@ -1006,6 +1006,21 @@ fn loaded_handoff<T: Transport>(
     local: &[Vec<u32>],
     external: usize,
 ) {
+    loaded_handoff_with(pre, dec, handed, local, external, &|_| {});
+}
+
+/// One request `r` handed off per KV cache group (`handed`: the prefill's blocks of each
+/// group, `local`: the decode's; `external` tokens) and loaded, its params changed by `edit`
+/// on their way to the decode (as another peer would hand them); fails the test on any
+/// failure.
+pub fn loaded_handoff_with<T: Transport>(
+    pre: &mut Engine<T>,
+    dec: &mut Engine<T>,
+    handed: &[Vec<u32>],
+    local: &[Vec<u32>],
+    external: usize,
+    edit: &dyn Fn(&mut kvxfer_core::wire::params::KvTransferParams),
+) {
     let asks = kvxfer_core::wire::params::KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -1014,6 +1029,7 @@ fn loaded_handoff<T: Transport>(
         .scheduler
         .request_finished("r", Some(&asks), true, handed, None);
     let mut params = decision.params.expect("params");
+    edit(&mut params);
     let meta = pre.scheduler.build_step_meta();
     pre.workers[0].start_load_kv(&meta);
     dec.scheduler
