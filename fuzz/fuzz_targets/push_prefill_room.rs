@@ -1,6 +1,6 @@
 //! The push prefill's room state machine (`kvxfer_core::push::prefill_room`): the engine's
 //! side of a room, destinations from a few decode agents (with or without pages, right or
-//! wrong page counts, refused or not), aborts from destinations and from strangers, chunks
+//! wrong page counts, in KV cache groups or not, refused or not), aborts from destinations and from strangers, chunks
 //! of any size, WRITEs that finish or fail, and the bootstrap timeout, in any order.
 //! Checked after every step against a model: a failed room stays failed; chunks are laid out
 //! only while the room takes input, never past its pages nor after the last one (whose
@@ -24,6 +24,8 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 struct Model {
     total: Option<usize>,
     dests: HashMap<String, usize>,
+    /// Per destination that named pages: whether it split them into KV cache groups.
+    splits: HashMap<String, bool>,
     sent: usize,
     chunks: u32,
     last_sent: bool,
@@ -60,6 +62,8 @@ fuzz_target!(|data: &[u8]| {
                 let pages = usize::from(arg % 7);
                 let problem = (arg & 0x80 != 0).then(|| "refused".to_string());
                 let required = usize::from((arg >> 3) & 3) + 1;
+                // Pages in KV cache groups, or not: destinations that name pages must agree.
+                let split = op & 0x08 != 0;
                 let was_final = before.is_final();
                 room.add_dest(
                     RoomRequest {
@@ -70,14 +74,25 @@ fuzz_target!(|data: &[u8]| {
                         state_indices: Vec::new(),
                         digest: arg & 0x40 != 0,
                         prefix_tokens: 0,
+                        group_pages: if split {
+                            vec![pages as u32, 0]
+                        } else {
+                            Vec::new()
+                        },
                     },
                     problem.clone(),
                     required,
                 );
                 if !was_final {
                     let wrong = m.total.is_some_and(|t| pages != 0 && pages != t);
+                    let disagrees = pages != 0 && m.splits.values().any(|&s| s != split);
+                    if pages != 0 {
+                        m.splits.insert(agent.clone(), split);
+                    } else {
+                        m.splits.remove(&agent);
+                    }
                     m.dests.insert(agent, pages);
-                    if problem.is_some() || wrong {
+                    if problem.is_some() || wrong || disagrees {
                         m.failed = true;
                     } else if m.dests.len() >= required && m.total.is_some() {
                         m.ready = true;
