@@ -283,16 +283,15 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         first, end = cached // self._block_size, pages_for(loaded, self._block_size)
         counts: list[int] | None = None
         if self._grouped:
-            ids = blocks.get_block_ids()
-            try:
-                pages, counts = decode_pages(
-                    [ids[i] for i in self._transfer_ids], first, end, self._scratch
-                )
-            except ValueError as e:
-                log.warning("request %s: %s", request.request_id, e)
-                pages = []
-            if cached % self._block_size:
-                pages = []
+            pages = []
+            if cached % self._block_size == 0:
+                ids = blocks.get_block_ids()
+                try:
+                    pages, counts = decode_pages(
+                        [ids[i] for i in self._transfer_ids], first, end, self._scratch
+                    )
+                except ValueError as e:
+                    log.warning("request %s: %s", request.request_id, e)
             expected = len(pages)
         elif self._state_only:
             pages = state_page(blocks.get_block_ids()[0], self._groups[0].scratch)
@@ -395,13 +394,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if groups is not None:
             # Each attention group's blocks up to the last prompt token's, by position (a
             # state group's page is found when sent).
-            groups = [
-                g if spare is not None else g[:n]
-                for g, spare in zip(groups, self._scratch, strict=True)
-            ]
-            if any(
-                len(g) != n for g, spare in zip(groups, self._scratch, strict=True) if spare is None
-            ):
+            attention = [spare is None for spare in self._scratch]
+            groups = [g[:n] if a else g for g, a in zip(groups, attention, strict=True)]
+            if any(a and len(g) != n for g, a in zip(groups, attention, strict=True)):
                 log.warning("request %s: fewer than its %d prompt blocks held", rid, n)
                 return False, None
             pages: list[int] = []
@@ -451,7 +446,7 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             moved = {name for g in self._groups for name in g.layers}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
         total_kv_heads = cfg.model_config.get_total_num_kv_heads()
-        if self._state and len(self._groups) == 1:
+        if self._state_only:
             # Mamba alone: each layer's state pages, one per block. One page per rank: the
             # model's "heads" are its TP ranks.
             layout = describe_state_cache(kv_caches)
@@ -460,10 +455,9 @@ class KvxferPushConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             # Mamba beside attention: the attention cache's description over every layer
             # (their blocks are whole state pages of the same size).
             layout = describe_mixed_cache(kv_caches, self._groups, cfg)
+            layout["state_groups"] = [i for i, g in enumerate(self._groups) if g.state]
         else:
             layout = describe_engine_cache(kv_caches, cfg)
-        if self._state and not self._state_only:
-            layout["state_groups"] = [i for i, g in enumerate(self._groups) if g.state]
         names = sorted(kv_caches, key=_layer_key)
         if self._grouped:
             # Each group's blocks move through its own layers; layers of different groups

@@ -352,6 +352,17 @@ pub fn poll_until<T: Transport>(
     }
 }
 
+/// Whether every prefill and decode rank holds `room` in a final status.
+pub fn settled<T: Transport>(pre: &PrefillSide<T>, dec: &DecodeSide<T>, room: u64) -> bool {
+    pre.ranks
+        .iter()
+        .all(|p| p.status(room).is_some_and(|s| s.is_final()))
+        && dec
+            .ranks
+            .iter()
+            .all(|d| d.status(room).is_some_and(|s| s.is_final()))
+}
+
 /// Runs one room: decode ranks ask for `dst` pages (aux `aux`, state `state.1`), prefill
 /// ranks send `src` pages in chunks of `chunk`, aux `aux.0`, state `state.0`.
 #[allow(clippy::too_many_arguments)]
@@ -413,15 +424,7 @@ pub fn run_room_sending<T: Transport>(
         }
         send(p, room, src);
     }
-    poll_until(pre, dec, |pre, dec| {
-        pre.ranks
-            .iter()
-            .all(|p| p.status(room).is_some_and(|s| s.is_final()))
-            && dec
-                .ranks
-                .iter()
-                .all(|d| d.status(room).is_some_and(|s| s.is_final()))
-    });
+    poll_until(pre, dec, |pre, dec| settled(pre, dec, room));
     dec.ranks
         .iter()
         .map(|d| d.status(room).unwrap_or(RoomStatus::Failed))

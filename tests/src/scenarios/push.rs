@@ -13,7 +13,7 @@ use crate::conformance::TransportFactory;
 use crate::faulty::WithFaults;
 use crate::pull_env::Model;
 use crate::push_env::{
-    DecodeSide, PrefillSide, Setup, decode_on, poll_until, prefill_on, run_room, run_room_sending,
+    Setup, decode_on, poll_until, prefill_on, run_room, run_room_sending, settled,
 };
 use crate::scenarios::pull::clock;
 
@@ -740,15 +740,6 @@ pub fn hybrid_groups_write_each_groups_pages<F: TransportFactory>(f: &F) {
         // Split K/V regions [K0, V0, K1, V1]: layer 1 over layer 0's memory.
         kv.bases = vec![kv.bases[0], kv.bases[1], kv.bases[0], kv.bases[1]];
     }
-    let settled = |pre: &PrefillSide<F::T>, dec: &DecodeSide<F::T>, room: u64| {
-        pre.ranks
-            .iter()
-            .all(|p| p.status(room).is_some_and(|s| s.is_final()))
-            && dec
-                .ranks
-                .iter()
-                .all(|d| d.status(room).is_some_and(|s| s.is_final()))
-    };
     let mut s = Setup::new(Model::small(BlockOrder::Hnd, 4), 1, 1);
     s.aux = 0;
     s.prefill_kv = grouped;
@@ -860,10 +851,7 @@ pub fn state_group_beside_attention_writes_whole_pages<F: TransportFactory>(f: &
         pre.ranks[0].destinations_ready(1)
     });
     pre.ranks[0].send(1, &src).expect("send");
-    poll_until(&mut pre, &mut dec, |pre, dec| {
-        pre.ranks[0].status(1).is_some_and(|s| s.is_final())
-            && dec.ranks[0].status(1).is_some_and(|s| s.is_final())
-    });
+    poll_until(&mut pre, &mut dec, |pre, dec| settled(pre, dec, 1));
     assert_eq!(
         dec.ranks[0].status(1),
         Some(RoomStatus::Success),
