@@ -12,7 +12,7 @@ use kvxfer_core::clock::SystemClock;
 use kvxfer_core::push::messages::BufferWire;
 use kvxfer_core::push::{self, PushBuffers, PushError, PushMetrics, StateKind};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::agent::transport_kind;
 use crate::args::seconds;
@@ -390,6 +390,38 @@ impl PushPrefill {
     /// Control messages refused (unknown agent, malformed content).
     fn refused(&self, py: Python<'_>) -> PyResult<u64> {
         self.inner.with(py, "prefill", |p| Ok(p.refused()))
+    }
+
+    /// Takes one multipart message of a stock SGLang decode (SGLang's own nixl backend: a
+    /// registration, a room, an abort), read from the rank's ZMQ PULL socket. Raises
+    /// `InvalidArgumentError` with the reason for a message refused (a room refused is
+    /// also told to its decode: see `take_stock_outbox`).
+    fn stock_message(&self, py: Python<'_>, frames: Vec<Vec<u8>>) -> PyResult<()> {
+        self.inner.with(py, "prefill", |p| {
+            let parts: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+            p.stock_message(&parts)
+                .map_err(InvalidArgumentError::new_err)
+        })
+    }
+
+    /// Messages for stock SGLang decodes since the last call, oldest first, as
+    /// `(host, port, frames)`: push each to `tcp://host:port` (the decode rank's PULL
+    /// socket) as one multipart message.
+    #[allow(clippy::type_complexity)]
+    fn take_stock_outbox<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, u16, Vec<Bound<'py, PyBytes>>)>> {
+        let out = self
+            .inner
+            .with(py, "prefill", |p| Ok(p.take_stock_outbox()))?;
+        Ok(out
+            .into_iter()
+            .map(|m| {
+                let frames = m.frames.iter().map(|f| PyBytes::new(py, f)).collect();
+                (m.host, m.port, frames)
+            })
+            .collect())
     }
 
     /// Counters since the last call (reset on read), durations in seconds.

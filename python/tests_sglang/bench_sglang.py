@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from harness import HERE, Router, Server, body, free_port, post, wait_healthy
+from harness import HERE, NIXL_DRAM, NIXL_ENV, Router, Server, body, free_port, post, wait_healthy
 from harness import MODEL as TINY
 
 MODEL = Path(sys.prefix) / "models" / "llama8b-kv"
@@ -45,7 +45,6 @@ BACKENDS = {
     "kvxfer-ucx": ("kvxfer", "ucx"),
     "kvxfer-nixl": ("kvxfer", "nixl"),
 }
-NIXL_ENV = ("NIXL_PLUGIN_DIR", "LD_LIBRARY_PATH")  # kvxfer's NIXL runtime, not SGLang's
 
 
 def ensure_model() -> None:
@@ -95,7 +94,7 @@ def run_backend(
     args = ("--dtype", dtype, "--max-total-tokens", max_tokens, "--enable-metrics")
     kw: dict[str, Any] = {"backend": backend, "model": model, "args": args}
     if transport is None:  # SGLang's nixl backend, with its host memory labelled as such
-        kw.update(paths=(HERE / "nixl_dram",), unset=NIXL_ENV)
+        kw.update(paths=(NIXL_DRAM,), unset=NIXL_ENV)
     t = transport or "ucx"
     p = Server("prefill", "0", logdir, transport=t, bootstrap_port=boot, name=f"p-{name}", **kw)
     d = Server("decode", "1", logdir, transport=t, bootstrap_port=boot, name=f"d-{name}", **kw)

@@ -24,6 +24,12 @@ _handed_out: set[int] = set()
 # Processes started and not yet closed: a failing test's report quotes their logs.
 LIVE: list[Process] = []
 
+# The NIXL runtime the test command exports (for kvxfer's own agents): servers that pair with
+# SGLang's own nixl backend leave it out and use the engine's (the nixl wheel SGLang imports).
+NIXL_ENV = ("NIXL_PLUGIN_DIR", "LD_LIBRARY_PATH")
+# On a servers' path: SGLang's nixl backend registers its host memory as such (see there).
+NIXL_DRAM = HERE / "nixl_dram"
+
 PROMPT_A = [(i * 7 + 3) % 1000 for i in range(100)]
 PROMPT_B = [(i * 13 + 5) % 1000 for i in range(100)]
 

@@ -356,3 +356,207 @@ fn the_vllm_handshake_pairs_over_plain_nixl_metadata() {
         );
     });
 }
+
+/// A stock SGLang decode (its own nixl backend: ZMQ frames, plain NIXL metadata, no
+/// notifications) served by a kvxfer prefill rank: at TP 1→1 and 1→2 every page lands
+/// where the room names it and the aux row with it, and each decode rank is told
+/// `KV_STATUS` Success only then; a registration whose pages hold no whole heads, a room
+/// from an agent never registered and a room naming a page past the decode's buffers are
+/// refused, the decode told why, nothing written.
+#[test]
+fn a_stock_sglang_decode_is_written_and_told_by_message() {
+    run("stock sglang decode", |f| {
+        use kvxfer_core::push::{PushPrefill, StockOutgoing};
+        use kvxfer_core::transport::{AddrRange, MemoryKind, Registration, Transport};
+        use kvxfer_core::wire::sglang_nixl as sgl;
+        use kvxfer_layout::{BlockOrder, Side, TpMapping};
+        use kvxfer_tests::pull_env::{GUARD, Model, RankCache};
+        use kvxfer_tests::push_env::{ITEM_LEN, ITEMS, Setup, item_byte, prefill_on};
+        use kvxfer_tests::scenarios::pull::clock;
+
+        struct StockDecode {
+            agent: NixlTransport,
+            _regs: Vec<Registration>,
+            cache: RankCache,
+            aux: Vec<u8>,
+            reg: sgl::Registration,
+        }
+        fn frames(v: &[Vec<u8>]) -> Vec<&[u8]> {
+            v.iter().map(Vec::as_slice).collect()
+        }
+        fn room(d: &StockDecode, room: u64, pages: &[u32], required: u32) -> sgl::Room {
+            sgl::Room {
+                room,
+                endpoint: d.reg.endpoint.clone(),
+                agent: d.reg.agent.clone(),
+                pages: pages.to_vec(),
+                aux_index: Some(2),
+                required,
+                state: Vec::new(),
+                prefix_tokens: 0,
+                dummy: false,
+            }
+        }
+        fn settle<T: Transport>(p: &mut PushPrefill<T>, want: usize) -> Vec<StockOutgoing> {
+            let start = std::time::Instant::now();
+            let mut out = Vec::new();
+            while out.len() < want {
+                p.poll();
+                out.extend(p.take_stock_outbox());
+                assert!(start.elapsed().as_secs() < 60, "no status within 60 s");
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+            out
+        }
+
+        let model = Model::small(BlockOrder::Nhd, 2);
+        let (src, dst) = ([1u32, 2, 3, 4, 5], [9u32, 3, 4, 12, 0]);
+        for d in [1u32, 2] {
+            let s = Setup::new(model, 1, d);
+            let mut pre = prefill_on(f, &s, &format!("stock-p{d}"), clock(), None, None);
+            let p = &mut pre.ranks[0];
+            let mapping = TpMapping::new(d, d, model.sharding()).expect("tp");
+            let mut decodes: Vec<StockDecode> = (0..d)
+                .map(|tp| {
+                    let heads = mapping.heads_of(Side::Decode, tp).expect("rank");
+                    let cache =
+                        RankCache::in_memory(model.spec(heads.count), heads.first, 0, false, false);
+                    let mut aux = vec![GUARD; (ITEMS as u64 * ITEM_LEN) as usize];
+                    let mut agent = f.create(&format!("stock-d{d}-{tp}"));
+                    let region = cache.spec.region_len();
+                    let mut regs: Vec<Registration> = cache
+                        .bases()
+                        .iter()
+                        .map(|&b| agent.register(MemoryKind::Host, AddrRange::new(b, region)))
+                        .collect::<Result<_, _>>()
+                        .expect("register KV");
+                    let aux_ptr = aux.as_mut_ptr() as u64;
+                    regs.push(
+                        agent
+                            .register(MemoryKind::Host, AddrRange::new(aux_ptr, aux.len() as u64))
+                            .expect("register aux"),
+                    );
+                    let b = cache.bases();
+                    let layers = b.len() / 2;
+                    // SGLang's order: K of every layer, then V of every layer.
+                    let kv_ptrs: Vec<u64> = (0..layers)
+                        .map(|l| b[2 * l])
+                        .chain((0..layers).map(|l| b[2 * l + 1]))
+                        .collect();
+                    let reg = sgl::Registration {
+                        endpoint: ("127.0.0.1".into(), 41000 + tp as u16),
+                        agent: agent.name().to_string(),
+                        metadata: agent.native_metadata().expect("metadata"),
+                        kv_item_lens: vec![cache.spec.block_len(); kv_ptrs.len()],
+                        kv_mem_kinds: vec!["DRAM".into(); kv_ptrs.len()],
+                        kv_ptrs,
+                        aux_ptrs: vec![aux_ptr],
+                        state_ptrs: Vec::new(),
+                        gpu_id: 0,
+                        tp: (d, tp),
+                        state_item_lens: Vec::new(),
+                        state_dims: Vec::new(),
+                        staging: None,
+                        num_slots: cache.spec.num_blocks().into(),
+                        state_layer_ids: Vec::new(),
+                        kv_layer_ids: Vec::new(),
+                        dcp: (1, 0),
+                        state_data_lens: Vec::new(),
+                    };
+                    StockDecode {
+                        agent,
+                        _regs: regs,
+                        cache,
+                        aux,
+                        reg,
+                    }
+                })
+                .collect();
+
+            // Refused: pages that hold no whole number of this prefill's heads.
+            let bad = sgl::Registration {
+                agent: "not-whole-heads".into(),
+                kv_item_lens: vec![decodes[0].cache.spec.block_len() + 1; 2 * 2],
+                ..decodes[0].reg.clone()
+            };
+            let e = p
+                .stock_message(&frames(&sgl::encode_registration(&bad)))
+                .unwrap_err();
+            assert!(e.contains("do not make whole heads"), "{e}");
+            // Refused: a room from that agent, told to the address it gave.
+            let m = sgl::Room {
+                agent: bad.agent.clone(),
+                ..room(&decodes[0], 5, &dst, d)
+            };
+            let e = p.stock_message(&frames(&sgl::encode_room(&m))).unwrap_err();
+            assert!(e.contains("unregistered"), "{e}");
+            let told = p.take_stock_outbox();
+            assert_eq!(told.len(), 1);
+            assert_eq!(
+                told[0].frames[..4],
+                sgl::kv_status(5, sgl::status::FAILED, 0, "")[..4]
+            );
+
+            for dec in &decodes {
+                p.stock_message(&frames(&sgl::encode_registration(&dec.reg)))
+                    .expect("registration");
+                p.stock_message(&frames(&sgl::encode_room(&room(dec, 7, &dst, d))))
+                    .expect("room");
+            }
+            p.add_room(7, src.len(), Some(1), Vec::new());
+            assert!(p.destinations_ready(7));
+            p.send(7, &src[..2]).expect("chunk");
+            assert!(
+                p.take_stock_outbox().is_empty(),
+                "told before the last chunk"
+            );
+            p.send(7, &src[2..]).expect("last chunk");
+            let mut told = settle(p, d as usize);
+            told.sort_by_key(|m| m.port);
+            for (tp, dec) in decodes.iter().enumerate() {
+                assert_eq!(told[tp].host, "127.0.0.1");
+                assert_eq!(told[tp].port, dec.reg.endpoint.1);
+                assert_eq!(
+                    told[tp].frames,
+                    sgl::kv_status(7, sgl::status::SUCCESS, 0, "")
+                );
+                let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst).collect();
+                dec.cache
+                    .verify(&pairs)
+                    .unwrap_or_else(|e| panic!("decode {tp}: {e}"));
+                let row = &dec.aux[(2 * ITEM_LEN) as usize..(3 * ITEM_LEN) as usize];
+                assert!(
+                    row.iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == item_byte(0, 1, i as u64)),
+                    "aux row 2 holds the prefill's row 1"
+                );
+            }
+
+            // A page past the decode's buffers: the room fails, the decode is told why.
+            let past = model.blocks;
+            for dec in &decodes {
+                p.stock_message(&frames(&sgl::encode_room(&room(dec, 8, &[past], d))))
+                    .expect("room");
+            }
+            p.add_room(8, 1, Some(3), Vec::new());
+            let told = settle(p, d as usize);
+            for m in &told {
+                assert_eq!(
+                    m.frames[..3],
+                    sgl::kv_status(8, sgl::status::FAILED, 0, "")[..3]
+                );
+                let reason = String::from_utf8_lossy(&m.frames[4]);
+                assert!(reason.contains(&past.to_string()), "{reason}");
+            }
+            let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst).collect();
+            for dec in &mut decodes {
+                dec.cache.verify(&pairs).expect("nothing else written");
+                // SGLang 0.5.23 never reads NIXL notifications: none may pile up there.
+                let mut notes = Vec::new();
+                dec.agent.drain_notifications(&mut notes).expect("drain");
+                assert!(notes.is_empty(), "{} notifications sent", notes.len());
+            }
+        }
+    });
+}

@@ -23,6 +23,6 @@ pub use directory::{Addr, PrefillDirectory, RegistryDirectory};
 pub use etcd_directory::{EtcdDirectory, push_records};
 /// The prefill's room state machine (public for the fuzz targets), in its driver's folder.
 pub use prefill::room as prefill_room;
-pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig};
+pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig, StockOutgoing};
 pub use registry::{BootstrapRegistry, ask_registry};
 pub use status::RoomStatus;

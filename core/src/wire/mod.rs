@@ -8,6 +8,7 @@ pub mod handshake;
 pub mod params;
 pub mod pull_notes;
 pub mod push_messages;
+pub mod sglang_nixl;
 pub mod vllm;
 
 use thiserror::Error;

@@ -39,10 +39,12 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from typing import Any, NamedTuple
 
+import zmq
 from aiohttp import web
 from sglang.srt.disaggregation.base.conn import (
     BaseKVReceiver,
@@ -77,6 +79,10 @@ POLL_INTERVAL = 0.0002
 
 REGISTRY_WAIT = 60.0
 """How long a prefill rank waits for its bootstrap server to answer (it may start later)."""
+
+STOCK_POLL_MS = 2
+"""How long the stock-decode thread waits on the rank's ZMQ socket between sends of what
+stock decodes are told (their room statuses wait at most this long)."""
 
 
 def _transport() -> str:
@@ -247,6 +253,9 @@ class KvxferKVManager(CommonKVManager):
                     _lease_ttl(),
                 )
                 directory = f"etcd cluster {disc.cluster!r} as {engine_id!r}"
+            if transport == "nixl":
+                self._serve_stock_decodes()
+                directory += f"; stock SGLang nixl decodes on ZMQ port {self.rank_port}"
         else:
             self.registries: dict[str, tuple[str, int]] = {}
             self.push = kvxfer.PushDecode(
@@ -281,6 +290,40 @@ class KvxferKVManager(CommonKVManager):
             directory,
             json.dumps(shape, sort_keys=True),
         )
+
+    def _serve_stock_decodes(self) -> None:
+        """Stock SGLang decodes (SGLang's own nixl backend) register and name their rooms on
+        this rank's ZMQ PULL socket, which SGLang's common manager binds and registers with
+        the bootstrap server (kvxfer decodes never use it): a thread of its own reads it and
+        pushes back what they are told, so a fleet may mix the two backends."""
+        threading.Thread(target=self._stock_loop, name="kvxfer-stock", daemon=True).start()
+
+    def _stock_loop(self) -> None:
+        prefill = self.push
+        assert isinstance(prefill, kvxfer.PushPrefill)
+        sock = self.server_socket
+        while True:
+            try:
+                if sock.poll(STOCK_POLL_MS):
+                    frames = sock.recv_multipart()
+                    try:
+                        prefill.stock_message(frames)
+                    except kvxfer.InvalidArgumentError as e:
+                        log.warning("kvxfer: refused a stock SGLang decode's message: %s", e)
+                for host, port, parts in prefill.take_stock_outbox():
+                    to = NetworkAddress(host, port)
+                    try:
+                        # SGLang's own cached PUSH sockets (a send times out, never hangs).
+                        self._send_multipart_locked(to.to_tcp(), parts, is_ipv6=to.is_ipv6)
+                    except Exception as e:  # noqa: BLE001 - one decode must not stop the rest
+                        log.warning("kvxfer: could not tell stock decode %s: %s", to, e)
+            except (kvxfer.ShutDownError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError as e:
+                if sock.closed:
+                    return
+                log.warning("kvxfer: stock decode socket: %s", e)
+                time.sleep(0.1)
 
     def _heads(self, args: KVArgs, server_args: ServerArgs, is_mla: bool) -> tuple[int, int]:
         """This rank's KV heads and the model's: SGLang fills them in on the prefill; a decode

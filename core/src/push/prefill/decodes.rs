@@ -5,7 +5,11 @@
 
 use kvxfer_layout::{CacheSide, CacheSpec, SideLayout, TpMapping, check_compatible};
 
-use super::{Decode, PushPrefill, lock};
+use super::{Decode, PushPrefill, StockPeer, lock};
+use crate::transport::AddrRange;
+
+/// A stock SGLang decode's PULL socket and the regions its registration names.
+pub(super) type StockRegions = ((String, u16), Vec<(MemoryKind, AddrRange)>);
 use crate::push::buffers::{PushBuffers, StateKind};
 use crate::push::messages::{self, BufferWire, RegisterArgs, RoomRequest};
 use crate::tally::Tally;
@@ -115,7 +119,13 @@ fn same_items(theirs: &[BufferWire], ours: &[BufferWire]) -> bool {
 }
 
 impl<T: Transport> PushPrefill<T> {
-    pub(super) fn register_decode(&mut self, args: RegisterArgs) -> Result<(), String> {
+    /// Registers a decode; `stock` holds a stock SGLang decode's PULL socket and the regions
+    /// its registration names (its NIXL metadata is then the library's own).
+    pub(super) fn register_decode(
+        &mut self,
+        args: RegisterArgs,
+        stock: Option<StockRegions>,
+    ) -> Result<(), String> {
         let (spec, mapping) = check_registration(&self.bufs, self.config.tp.1, &args)?;
         let now = self.clock.now();
         if let Some(d) = self.decodes.get_mut(&args.agent).filter(|d| d.args == args) {
@@ -124,10 +134,13 @@ impl<T: Transport> PushPrefill<T> {
             d.used = now;
             return Ok(());
         }
-        let peer = self
-            .transport
-            .load_peer(&args.agent_metadata)
-            .map_err(|e| e.to_string())?;
+        let peer = match &stock {
+            None => self.transport.load_peer(&args.agent_metadata),
+            Some((_, regions)) => self
+                .transport
+                .load_native_peer(&args.agent_metadata, regions),
+        }
+        .map_err(|e| e.to_string())?;
         // A decode known under this name with other metadata (restarted) was replaced by
         // the transport's `load_peer`, its connection with it.
         self.decodes.insert(
@@ -138,6 +151,7 @@ impl<T: Transport> PushPrefill<T> {
                 spec,
                 mapping,
                 used: now,
+                stock: stock.map(|(endpoint, _)| StockPeer { endpoint }),
             },
         );
         Ok(())

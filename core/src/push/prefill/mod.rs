@@ -26,11 +26,15 @@ use crate::sidechannel::MessageServer;
 use crate::sidechannel::auth::Destination;
 use crate::tally::Tally;
 use crate::transport::{AddrRange, PeerId, Registration, Transport, XferStatus};
+use crate::wire::sglang_nixl as wire;
 use room::PrefillRoom;
 
 mod decodes;
 pub mod room;
 mod send;
+mod stock;
+
+pub use stock::StockOutgoing;
 
 /// Settings of a prefill rank.
 #[derive(Debug, Clone)]
@@ -69,6 +73,14 @@ struct Decode {
     mapping: TpMapping,
     /// When it last registered or named a room.
     used: Duration,
+    /// Set for a stock SGLang decode (its own nixl backend).
+    stock: Option<StockPeer>,
+}
+
+/// What a stock SGLang decode is told through, besides the transport.
+struct StockPeer {
+    /// Its PULL socket.
+    endpoint: (String, u16),
 }
 
 /// The decode agents the mailbox accepts rooms from, shared with its handler. The handler
@@ -135,6 +147,8 @@ pub struct PushPrefill<T: Transport> {
     metrics: PushMetrics,
     /// Content digesting, set up when a decode first asks for it (or why it cannot be).
     digests: Option<Result<PageDigests, String>>,
+    /// Messages for stock SGLang decodes, until the engine takes them.
+    stock_outbox: Vec<StockOutgoing>,
 }
 
 /// Counters of a prefill rank, read and reset with [`PushPrefill::take_metrics`].
@@ -280,6 +294,7 @@ impl<T: Transport> PushPrefill<T> {
             refused_in_reply,
             metrics: PushMetrics::default(),
             digests: None,
+            stock_outbox: Vec::new(),
         })
     }
 
@@ -423,7 +438,7 @@ impl<T: Transport> PushPrefill<T> {
         }
         // A failed room's decodes are told before it is forgotten.
         let agents = failure_notice(&mut self.transport, &mut r);
-        self.tell_failure(room, &agents);
+        self.tell_failure(room, &agents, r.error().unwrap_or("failed"));
         for x in r.into_xfers() {
             let _ = self.transport.release(x);
         }
@@ -436,7 +451,8 @@ impl<T: Transport> PushPrefill<T> {
         };
         r.fail("aborted by the prefill engine".into());
         let agents = failure_notice(&mut self.transport, r);
-        self.tell_failure(room, &agents);
+        let reason = r.error().unwrap_or("failed").to_string();
+        self.tell_failure(room, &agents, &reason);
     }
 
     /// Tells `agents` that `room` failed here (called once its WRITEs were released): each
@@ -444,13 +460,24 @@ impl<T: Transport> PushPrefill<T> {
     /// Where other prefill ranks or stages also write into a decode rank, the decode tells
     /// them to stop and keeps the pages until each acknowledged ([`PushDecode::drained`]).
     ///
+    /// A stock SGLang decode is told `KV_STATUS` Failed with the `reason` instead.
+    ///
     /// [`PushDecode::drained`]: crate::push::PushDecode::drained
-    fn tell_failure(&mut self, room: u64, agents: &[String]) {
+    fn tell_failure(&mut self, room: u64, agents: &[String], reason: &str) {
         for a in agents {
-            if let Some(d) = self.decodes.get(a) {
-                let _ = self
-                    .transport
-                    .send_notification(d.peer, &messages::abort_note(room));
+            let Some(d) = self.decodes.get(a) else {
+                continue;
+            };
+            match &d.stock {
+                Some(s) => {
+                    let to = s.endpoint.clone();
+                    self.stock_tell(&to, room, wire::status::FAILED, reason);
+                }
+                None => {
+                    let _ = self
+                        .transport
+                        .send_notification(d.peer, &messages::abort_note(room));
+                }
             }
         }
     }
@@ -463,11 +490,14 @@ impl<T: Transport> PushPrefill<T> {
         let now = self.clock.now();
         let timeout = self.config.bootstrap_timeout;
         let mut failed = Vec::new();
+        let mut succeeded = Vec::new();
+        let decodes = &self.decodes;
+        let stock = |agent: &str| decodes.get(agent).is_some_and(|d| d.stock.is_some());
         for (id, r) in &mut self.rooms {
             if r.status().is_final() || r.bootstrap_timed_out(*id, now, timeout) {
                 let untold = failure_notice(&mut self.transport, r);
                 if !untold.is_empty() {
-                    failed.push((*id, untold));
+                    failed.push((*id, untold, r.error().unwrap_or("failed").to_string()));
                 }
                 continue;
             }
@@ -490,13 +520,31 @@ impl<T: Transport> PushPrefill<T> {
             }
             r.keep_xfers(still);
             r.settle();
+            // Every WRITE of the room completed: stock decodes learn it from a message
+            // (kvxfer's from the notes on the WRITEs).
+            let done = r.untold_success(stock);
+            if !done.is_empty() {
+                succeeded.push((*id, done));
+            }
             let untold = failure_notice(&mut self.transport, r);
             if !untold.is_empty() {
-                failed.push((*id, untold));
+                failed.push((*id, untold, r.error().unwrap_or("failed").to_string()));
             }
         }
-        for (room, agents) in failed {
-            self.tell_failure(room, &agents);
+        for (room, agents, reason) in failed {
+            self.tell_failure(room, &agents, &reason);
+        }
+        for (room, agents) in succeeded {
+            for a in agents {
+                if let Some(to) = self
+                    .decodes
+                    .get(&a)
+                    .and_then(|d| d.stock.as_ref())
+                    .map(|s| s.endpoint.clone())
+                {
+                    self.stock_tell(&to, room, wire::status::SUCCESS, "");
+                }
+            }
         }
         // Rooms only decodes knew, ended long ago (and their decodes told, above).
         self.rooms.retain(|_, r| !r.abandoned(now, timeout));
@@ -508,7 +556,7 @@ impl<T: Transport> PushPrefill<T> {
             ToPrefill::Register(args) => {
                 self.metrics.registrations.tally(1);
                 let agent = args.agent.clone();
-                if let Err(e) = self.register_decode(args) {
+                if let Err(e) = self.register_decode(args, None) {
                     self.refused.tally(1);
                     tracing::warn!(error = %e, "refused a decode registration");
                     if !self.decodes.contains_key(&agent) {
@@ -527,13 +575,18 @@ impl<T: Transport> PushPrefill<T> {
                 // The acknowledgement: nothing of this rank can land in the room's pages any
                 // more (its WRITEs were released just now, `release` waits for or cancels
                 // them; a room it does not know, or does not write to `agent`, has none).
-                self.tell_failure(room, &[agent]);
+                self.tell_failure(room, &[agent], "aborted by the decode");
             }
             ToPrefill::Health => {}
         }
     }
 
     fn on_room(&mut self, req: RoomRequest) {
+        self.on_room_with(req, None);
+    }
+
+    /// A destination asked for a room; `problem`, found before, fails it.
+    fn on_room_with(&mut self, req: RoomRequest, problem: Option<String>) {
         let now = self.clock.now();
         let Some(d) = self.decodes.get_mut(&req.agent) else {
             self.refused.tally(1);
@@ -543,7 +596,7 @@ impl<T: Transport> PushPrefill<T> {
         let Some(d) = self.decodes.get(&req.agent) else {
             return;
         };
-        let problem = self.validate(d, &req);
+        let problem = problem.or_else(|| self.validate(d, &req));
         let required = d
             .mapping
             .notifications_per_request(self.config.tp.0)

@@ -265,6 +265,23 @@ impl PrefillRoom {
         untold
     }
 
+    /// The destinations with pages for which `tell` holds (decodes that learn of a room's
+    /// success from a message, not from the notes on its WRITEs), each returned once, once
+    /// the room succeeded.
+    pub fn untold_success(&mut self, tell: impl Fn(&str) -> bool) -> Vec<String> {
+        if self.status != RoomStatus::Success {
+            return Vec::new();
+        }
+        let untold: Vec<String> = self
+            .dests
+            .values()
+            .filter(|d| !d.pages.is_empty() && !self.told.contains(&d.agent) && tell(&d.agent))
+            .map(|d| d.agent.clone())
+            .collect();
+        self.told.extend(untold.iter().cloned());
+        untold
+    }
+
     /// Lays out the next chunk of `pages` pages of room `room`: refused unless the room
     /// waits for input or transfers, once its last chunk went out (its WRITEs may still be
     /// in flight: another "last" chunk would write aux and state again), or when more pages

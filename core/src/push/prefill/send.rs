@@ -131,6 +131,9 @@ impl<T: Transport> PushPrefill<T> {
             .map(|l| l.prefill_rank)
             .min()
             == Some(me);
+        // A stock SGLang decode reads no notifications: it is told by message once the
+        // room's WRITEs completed.
+        let notes = d.stock.is_none();
         let kv = &self.bufs.kv;
         let dst_pages = start
             .checked_add(pages.len())
@@ -208,7 +211,7 @@ impl<T: Transport> PushPrefill<T> {
                     mem,
                     &self.ranges.0,
                     &self.ranges.1,
-                    Some(&note),
+                    notes.then_some(&note[..]),
                 )
                 .map_err(|e| e.to_string())?,
         );
@@ -224,7 +227,7 @@ impl<T: Transport> PushPrefill<T> {
                     (MemoryKind::Host, MemoryKind::Host),
                     &l,
                     &r,
-                    Some(&messages::aux_note(room)),
+                    notes.then_some(&messages::aux_note(room)[..]),
                 );
                 posted.push(x.map_err(|e| e.to_string())?);
             }
@@ -253,7 +256,7 @@ impl<T: Transport> PushPrefill<T> {
                 mem,
                 &l,
                 &r,
-                Some(&messages::state_note(room, pp_rank)),
+                notes.then_some(&messages::state_note(room, pp_rank)[..]),
             );
             posted.push(x.map_err(|e| e.to_string())?);
         }

@@ -1,0 +1,204 @@
+use super::*;
+
+fn registration() -> Registration {
+    Registration {
+        endpoint: ("127.0.0.1".into(), 40123),
+        agent: "5b0c9e1a-decode".into(),
+        metadata: vec![7; 300],
+        kv_ptrs: vec![0x1000, 0x2000, 0x3000, 0x4000],
+        aux_ptrs: vec![0x9000, 0xa000],
+        state_ptrs: vec![vec![0xb000, 0xc000]],
+        gpu_id: 0,
+        tp: (2, 1),
+        kv_item_lens: vec![256; 4],
+        state_item_lens: vec![vec![64, 64]],
+        state_dims: vec![vec![16, 16]],
+        staging: None,
+        num_slots: 16,
+        kv_mem_kinds: vec!["VRAM".into(); 4],
+        state_layer_ids: vec![vec![0, 1]],
+        kv_layer_ids: Vec::new(),
+        dcp: (1, 0),
+        state_data_lens: vec![vec![4096, 4096]],
+    }
+}
+
+fn room() -> Room {
+    Room {
+        room: 1 << 60,
+        endpoint: ("127.0.0.1".into(), 40123),
+        agent: "5b0c9e1a-decode".into(),
+        pages: vec![3, 4, 9],
+        aux_index: Some(5),
+        required: 1,
+        state: vec![vec![2]],
+        prefix_tokens: 32,
+        dummy: false,
+    }
+}
+
+fn frames(v: &[Vec<u8>]) -> Vec<&[u8]> {
+    v.iter().map(Vec::as_slice).collect()
+}
+
+#[test]
+fn a_registration_and_a_room_decode_to_what_was_encoded() {
+    let r = registration();
+    let f = encode_registration(&r);
+    assert_eq!(f.len(), REGISTRATION_FRAMES);
+    assert_eq!(decode(&frames(&f)), Ok(FromDecode::Register(Box::new(r))));
+    let staged = Registration {
+        staging: Some((0xd000, 1 << 20)),
+        state_ptrs: Vec::new(),
+        state_item_lens: Vec::new(),
+        state_dims: Vec::new(),
+        state_layer_ids: Vec::new(),
+        state_data_lens: Vec::new(),
+        ..registration()
+    };
+    let f = encode_registration(&staged);
+    assert_eq!(
+        decode(&frames(&f)),
+        Ok(FromDecode::Register(Box::new(staged)))
+    );
+    let m = room();
+    let f = encode_room(&m);
+    assert_eq!(f.len(), ROOM_FRAMES);
+    assert_eq!(decode(&frames(&f)), Ok(FromDecode::Room(m)));
+    let dummy = Room {
+        pages: Vec::new(),
+        aux_index: None,
+        state: Vec::new(),
+        dummy: true,
+        ..room()
+    };
+    let f = encode_room(&dummy);
+    assert_eq!(decode(&frames(&f)), Ok(FromDecode::Room(dummy)));
+}
+
+#[test]
+fn frames_are_sglangs_bytes() {
+    // SGLang's `pack_int_lists([[1, 2]], "I")` and a room's int32 pages, literally.
+    let f = encode_registration(&Registration {
+        state_item_lens: vec![vec![1, 2]],
+        ..registration()
+    });
+    assert_eq!(f[13], [1, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0]);
+    assert_eq!(f[1], b"None");
+    assert_eq!(f[3], b"40123");
+    assert_eq!(f[18], b"VRAM,VRAM,VRAM,VRAM");
+    let f = encode_room(&room());
+    assert_eq!(f[1], b"1152921504606846976");
+    assert_eq!(f[5], [3, 0, 0, 0, 4, 0, 0, 0, 9, 0, 0, 0]);
+    assert_eq!(f[10], b"0");
+    assert_eq!(
+        kv_status(7, status::SUCCESS, 1, ""),
+        [&b"KV_STATUS"[..], b"7", b"4", b"1", b""]
+    );
+    assert_eq!(
+        kv_status(7, status::FAILED, 0, "no pages"),
+        [&b"KV_STATUS"[..], b"7", b"0", b"0", b"no pages"]
+    );
+    assert_eq!(abort_ack(9, 3, 12), [&b"ABORT_ACK"[..], b"9", b"3", b"12"]);
+}
+
+#[test]
+fn aborts_decode_with_and_without_a_return_address() {
+    let with = [&b"ABORT"[..], b"8", b"10.0.0.2", b"5000", b"3"];
+    assert_eq!(
+        decode(&with),
+        Ok(FromDecode::Abort(Abort {
+            room: 8,
+            ack: Some((("10.0.0.2".into(), 5000), 3)),
+        }))
+    );
+    // Without a generation the decode waits for no acknowledgement.
+    let without = [&b"ABORT"[..], b"8", b"10.0.0.2", b"5000"];
+    assert_eq!(
+        decode(&without),
+        Ok(FromDecode::Abort(Abort { room: 8, ack: None }))
+    );
+    assert!(decode(&[&b"ABORT"[..]]).is_err());
+    assert!(decode(&[&b"ABORT"[..], b"x"]).is_err());
+}
+
+#[test]
+fn what_sglang_would_choke_on_is_refused_with_the_reason() {
+    let refused = |f: Vec<Vec<u8>>, says: &str| {
+        let e = decode(&frames(&f)).unwrap_err();
+        assert!(e.contains(says), "{e:?} should say {says:?}");
+    };
+    let reg = encode_registration(&registration());
+    refused(
+        reg[..13].to_vec(),
+        "13 frames: SGLang 0.5.23's nixl backend sends 25",
+    );
+    let mut f = reg.clone();
+    f[19].truncate(8);
+    refused(f, "1 KV item lengths for 4 KV buffers");
+    let mut f = reg.clone();
+    f[12] = b"512".to_vec();
+    refused(f, "KV item length 512 but the first buffer's is 256");
+    let mut f = reg.clone();
+    f[6].push(0);
+    refused(f, "KV bases: 33 bytes are not 8-byte integers");
+    let mut f = reg.clone();
+    f[8].truncate(10);
+    refused(f, "state bases: truncated");
+    let mut f = reg.clone();
+    f[8].push(0);
+    refused(f, "state bases: 1 bytes left over");
+    let mut f = reg.clone();
+    f[3] = b"70000".to_vec();
+    refused(f, "port 70000 is out of range");
+    let mut f = reg.clone();
+    f[10] = b"-1".to_vec();
+    refused(f, "TP size \"-1\" is not a decimal number");
+    let mut f = reg.clone();
+    f[4] = Vec::new();
+    refused(f, "agent name of 0 bytes");
+    let mut f = reg.clone();
+    f[4] = vec![0xff; 4];
+    refused(f, "agent name is not ASCII");
+    let mut f = reg.clone();
+    f[5] = Vec::new();
+    refused(f, "empty NIXL metadata");
+    let mut f = reg.clone();
+    f[16] = Vec::new();
+    f[15] = vec![0; 8];
+    refused(f, "a staging base without a size");
+    let mut f = reg;
+    f[18] = b"VRAM".to_vec();
+    refused(f, "1 memory kinds for 4 KV buffers");
+
+    let m = encode_room(&room());
+    refused(m[..10].to_vec(), "a room of 10 frames");
+    let mut f = m.clone();
+    f[5] = (-1i32).to_le_bytes().to_vec();
+    refused(f, "page -1");
+    let mut f = m.clone();
+    f[10] = b"2".to_vec();
+    refused(f, "dummy flag \"2\"");
+    let mut f = m.clone();
+    f[1] = b"18446744073709551616".to_vec();
+    refused(f, "room 18446744073709551616 is out of range");
+    let mut f = m;
+    f[7] = Vec::new();
+    refused(f, "destination count \"\" is not a decimal number");
+
+    refused(vec![b"WATERMARK".to_vec()], "not an SGLang nixl message");
+    refused(Vec::new(), "no frames");
+    refused(vec![GUARD.to_vec()], "a guard frame alone");
+    refused(vec![Vec::new(); MAX_FRAMES + 1], "33 frames");
+}
+
+#[test]
+fn a_claimed_list_count_allocates_nothing_the_input_does_not_hold() {
+    let mut f = encode_registration(&registration());
+    f[8] = u32::MAX.to_le_bytes().to_vec();
+    let e = decode(&frames(&f)).unwrap_err();
+    assert!(e.contains("lists"), "{e}");
+    f[8] = [1u32.to_le_bytes(), u32::MAX.to_le_bytes()].concat();
+    let e = decode(&frames(&f)).unwrap_err();
+    assert!(e.contains("truncated"), "{e}");
+}
