@@ -1,8 +1,11 @@
 //! SGLang's nixl backend's ZMQ messages (`kvxfer_core::wire::sglang_nixl`), as a stock
-//! decode sends them to a kvxfer prefill: any frames decode without panicking, and what
-//! decodes as a registration or a room encodes to frames that decode to it again.
+//! decode sends them to a kvxfer prefill and a stock prefill answers a kvxfer decode: any
+//! frames decode either way without panicking, and what decodes as a registration or a room
+//! encodes to frames that decode to it again.
 #![no_main]
-use kvxfer_core::wire::sglang_nixl::{FromDecode, GUARD, decode, encode_registration, encode_room};
+use kvxfer_core::wire::sglang_nixl::{
+    FromDecode, GUARD, decode, decode_from_prefill, encode_registration, encode_room,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -15,6 +18,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut frames = lead;
     frames.extend(rest.split(|&b| b == 0xFF));
+    let _ = decode_from_prefill(&frames);
     let Ok(msg) = decode(&frames) else {
         return;
     };
@@ -24,5 +28,9 @@ fuzz_target!(|data: &[u8]| {
         FromDecode::Abort(_) => return,
     };
     let parts: Vec<&[u8]> = again.iter().map(Vec::as_slice).collect();
-    assert_eq!(decode(&parts).as_ref(), Ok(&msg), "re-encoded frames decode otherwise");
+    assert_eq!(
+        decode(&parts).as_ref(),
+        Ok(&msg),
+        "re-encoded frames decode otherwise"
+    );
 });

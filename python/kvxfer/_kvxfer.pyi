@@ -13,6 +13,44 @@ def ucx_version() -> str:
     """The version of the UCX library the ``ucx`` transport uses in this process, loading it
     (``$KVXFER_UCX_LIBRARY``, else the system's ``libucp.so.0``); raises NotAvailableError."""
 
+def sglang_nixl_registration(
+    endpoint: tuple[str, int],
+    agent: str,
+    metadata: bytes,
+    kv_ptrs: list[int],
+    kv_item_lens: list[int],
+    num_slots: int,
+    kv_mem_kind: str,
+    aux_ptrs: list[int],
+    *,
+    gpu_id: int,
+    tp: tuple[int, int],
+    state_ptrs: list[int] = ...,
+    state_item_lens: list[int] = ...,
+    state_data_lens: list[int] = ...,
+) -> list[bytes]:
+    """A decode rank's registration with a stock SGLang nixl prefill rank (SGLang's frames)."""
+
+def sglang_nixl_room(
+    room: int,
+    endpoint: tuple[str, int],
+    agent: str,
+    pages: list[int],
+    aux_index: int | None,
+    required: int,
+    state: list[int] = ...,
+    prefix_tokens: int = 0,
+) -> list[bytes]:
+    """A room's destination for a stock SGLang nixl prefill rank (SGLang's frames)."""
+
+def sglang_nixl_abort(room: int, endpoint: tuple[str, int], generation: int) -> list[bytes]:
+    """A decode's abort of a room, for a stock SGLang nixl prefill rank."""
+
+def sglang_nixl_from_prefill(
+    frames: list[bytes],
+) -> tuple[Literal["status"], int, int, int, str] | tuple[Literal["ack"], int, int, int | None]:
+    """A stock SGLang nixl prefill rank's ``KV_STATUS`` or ``ABORT_ACK``, decoded."""
+
 class KvxferError(Exception): ...
 class NotAvailableError(KvxferError): ...
 class NotSupportedError(KvxferError): ...
@@ -287,6 +325,7 @@ class PushDecode:
     def undrained(self) -> int: ...
     def take_metrics(self) -> dict[str, float]: ...
     def poll(self) -> None: ...
+    def native_metadata(self) -> bytes: ...
     def unknown_notifications(self) -> int: ...
     def shutdown(self) -> None: ...
 

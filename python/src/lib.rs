@@ -12,6 +12,7 @@ mod errors;
 mod memory;
 mod pull;
 mod push;
+mod sglang_nixl;
 mod shared_memory;
 mod slot;
 
@@ -68,6 +69,10 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add_function(wrap_pyfunction!(connector_options, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang_nixl::sglang_nixl_registration, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang_nixl::sglang_nixl_room, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang_nixl::sglang_nixl_abort, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang_nixl::sglang_nixl_from_prefill, m)?)?;
     m.add_class::<agent::Agent>()?;
     m.add_class::<shared_memory::SharedHostMemory>()?;
     m.add_class::<pull::PullScheduler>()?;

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 
 use kvxfer::AnyTransport;
-use kvxfer_core::MemoryKind;
 use kvxfer_core::clock::SystemClock;
 use kvxfer_core::push::messages::BufferWire;
 use kvxfer_core::push::{self, PushBuffers, PushError, PushMetrics, StateKind};
+use kvxfer_core::{MemoryKind, Transport};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -647,6 +647,16 @@ impl PushDecode {
             d.poll();
             Ok(())
         })
+    }
+
+    /// This rank's NIXL agent's own metadata (`getLocalMD`), for stock peers of the same
+    /// NIXL release (a stock SGLang prefill loads it). Raises `NotSupportedError` on
+    /// another transport.
+    fn native_metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let md = self.inner.with(py, "decode", |d| {
+            d.transport().native_metadata().map_err(errors::transport)
+        })?;
+        Ok(PyBytes::new(py, &md))
     }
 
     /// Notifications that matched no room or writer.

@@ -71,6 +71,23 @@ def test_a_reply_without_a_port_is_named(body: bytes, what: str) -> None:
         bootstrap.parse_reply(body)
 
 
+def test_a_prefill_ranks_endpoint_reads_from_sglangs_route_reply() -> None:
+    assert bootstrap.parse_rank(b'{"rank_ip": "10.0.0.2", "rank_port": 5000}') == (
+        "10.0.0.2",
+        5000,
+    )
+    for body, what in (
+        (b'{"rank_port": 5000}', "rank_ip is 'None'"),
+        (b'{"rank_ip": "", "rank_port": 5000}', "rank_ip is ''"),
+        (b'{"rank_ip": "h", "rank_port": 0}', "rank_port is '0'"),
+        (b'{"rank_ip": "h", "rank_port": true}', "rank_port is 'True'"),
+        (b"[1]", "a JSON list"),
+        (b"{", "not JSON"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            bootstrap.parse_rank(body)
+
+
 def trickle(c: socket.socket) -> None:
     c.sendall(b"HTTP/1.1 200 OK\r\n")
     while True:

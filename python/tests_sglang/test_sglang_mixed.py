@@ -1,11 +1,15 @@
-"""Mixed fleets: a prefill running kvxfer's backend over NIXL and a decode running SGLang's
-own nixl backend, unmodified, on the same SGLang, behind SGLang's router. The stock decode
-bootstraps from the kvxfer prefill's bootstrap server, registers its NIXL agent and names
-each room's pages in SGLang's own ZMQ messages; the kvxfer prefill WRITEs the pages and the
-aux row and tells it ``KV_STATUS``. Outputs equal a plain run's (tokens and logprobs), alone
-and concurrently; the negative control shows the decode continues from the KV the prefill
-wrote; an aborted decode request gets its pages back drained (kvxfer's ``ABORT_ACK``), not
-at SGLang's 30 s timeout. One engine configuration, several cases against it."""
+"""Mixed fleets, on the same SGLang behind SGLang's router: a prefill running kvxfer's backend
+over NIXL with a decode running SGLang's own nixl backend, unmodified, and the reverse.
+
+A stock decode bootstraps from the kvxfer prefill's bootstrap server, registers its NIXL agent
+and names each room's pages in SGLang's own ZMQ messages; the kvxfer prefill WRITEs the pages
+and the aux row and tells it ``KV_STATUS``. A kvxfer decode finds no kvxfer registry at a
+stock prefill's bootstrap server, so it speaks SGLang's messages to its ranks, and the stock
+prefill WRITEs into the memory kvxfer registered. Either way: outputs equal a plain run's
+(tokens and logprobs), alone and concurrently; the negative control shows the decode
+continues from the KV the prefill wrote; an aborted decode request gets its pages back
+drained (``ABORT``/``ABORT_ACK``), not at SGLang's 30 s timeout. One engine configuration
+per direction, several cases against it."""
 
 import random
 import re
@@ -15,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,49 +45,61 @@ LOGPROB_TOLERANCE = 1e-4
 
 @dataclass
 class Mixed:
+    stock: str
     prefill: Server
     decode: Server
     router: Router
+    logdir: Path
 
 
-@pytest.fixture(scope="module")
-def mixed(logdir: Path, reference: dict) -> Iterator[Mixed]:
+def _server(role: str, stock: bool, boot: int, logdir: Path, suffix: str = "") -> Server:
+    """A server on the engine's own NIXL (the wheel SGLang imports: NIXL peers must run the
+    same release), running SGLang's nixl backend if `stock`, else kvxfer's."""
+    name = f"{role}-{'stock' if stock else 'kvxfer'}-mixed{suffix}"
+    extra = {"backend": "nixl", "paths": (NIXL_DRAM,)} if stock else {}
+    if role == "decode":
+        extra |= {"env": HEARTBEAT, "args": ("--enable-metrics",)}
+    cpus = "0" if role == "prefill" else "1"
+    return Server(
+        role,
+        cpus,
+        logdir,
+        transport="nixl",
+        bootstrap_port=boot,
+        unset=NIXL_ENV,
+        name=name,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module", params=["decode", "prefill"])
+def mixed(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iterator[Mixed]:
+    """`decode`: a kvxfer prefill and a stock decode; `prefill`: a stock prefill and a
+    kvxfer decode."""
     _usable_or_skip("nixl")
     boot = free_port()
-    # Both on the engine's own NIXL (the wheel SGLang imports): NIXL peers must run the
-    # same release.
-    prefill = Server(
-        "prefill",
-        "0",
-        logdir,
-        transport="nixl",
-        bootstrap_port=boot,
-        unset=NIXL_ENV,
-        name="prefill-kvxfer-mixed",
-    )
-    decode = Server(
-        "decode",
-        "1",
-        logdir,
-        transport="nixl",
-        bootstrap_port=boot,
-        backend="nixl",
-        paths=(NIXL_DRAM,),
-        unset=NIXL_ENV,
-        env=HEARTBEAT,
-        args=("--enable-metrics",),
-        name="decode-stock-mixed",
-    )
+    stock = request.param
+    prefill = _server("prefill", stock == "prefill", boot, logdir)
+    decode = _server("decode", stock == "decode", boot, logdir)
     servers: list[Server | Router] = [prefill, decode]
     try:
         wait_healthy(servers, STARTUP)
-        router = Router(prefill, decode, logdir, "router-mixed")
+        router = Router(prefill, decode, logdir, f"router-mixed-{stock}")
         servers.append(router)
         wait_healthy([router], 120)
-        yield Mixed(prefill, decode, router)
+        mixed = Mixed(stock, prefill, decode, router, logdir)
+        yield mixed
+        servers.append(mixed.prefill)  # restarted by a test
     finally:
         for s in reversed(servers):
             s.close()
+
+
+def _ended_in_error(r: requests.Response) -> bool:
+    if r.status_code != 200:
+        return True
+    finish = r.json().get("meta_info", {}).get("finish_reason") or {}
+    return finish.get("type") == "abort"
 
 
 def assert_matches(reply: dict, ref: dict) -> None:
@@ -91,11 +108,10 @@ def assert_matches(reply: dict, ref: dict) -> None:
     assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
 
 
-def test_a_stock_decode_through_the_router_equals_a_plain_run(
-    mixed: Mixed, reference: dict
-) -> None:
-    log = mixed.prefill.log_text()
-    assert "stock SGLang nixl decodes on ZMQ port" in log, "the prefill serves stock decodes"
+def test_through_the_router_the_outputs_equal_a_plain_run(mixed: Mixed, reference: dict) -> None:
+    kvxfer_side = mixed.prefill if mixed.stock == "decode" else mixed.decode
+    says = {"decode": "stock SGLang nixl decodes on ZMQ port", "prefill": "stock SGLang nixl"}
+    assert says[mixed.stock] in kvxfer_side.log_text(), "kvxfer serves the stock side"
     for ids in (PROMPT_A, PROMPT_B):
         r = post(mixed.router.url, body(ids))
         assert r.status_code == 200, r.text
@@ -105,12 +121,12 @@ def test_a_stock_decode_through_the_router_equals_a_plain_run(
     for ids, r in zip(PROMPTS, replies, strict=True):
         assert r.status_code == 200, r.text
         assert_matches(r.json(), reference[tuple(ids)])
-    assert "refused a stock SGLang decode" not in mixed.prefill.log_text()
+    assert "refused a" not in kvxfer_side.log_text()
+    if mixed.stock == "prefill":
+        assert "is a stock SGLang prefill" in mixed.decode.log_text()
 
 
-def test_the_stock_decode_continues_from_the_kv_the_kvxfer_prefill_wrote(
-    mixed: Mixed, reference: dict
-) -> None:
+def test_the_decode_continues_from_the_kv_the_prefill_wrote(mixed: Mixed, reference: dict) -> None:
     """Negative control: the prefill computes prompt A, the decode is given prompt B under the
     same room; it never computes its prompt, so it continues A."""
     p, d = direct(mixed.prefill, mixed.decode, PROMPT_A, PROMPT_B, random.getrandbits(63))
@@ -131,13 +147,13 @@ def _releases(decode_url: str) -> dict[str, float]:
     return found
 
 
-def test_an_aborted_stock_decode_request_is_acknowledged_by_the_kvxfer_prefill(
+def test_an_aborted_decode_request_is_acknowledged_and_its_pages_come_back_drained(
     mixed: Mixed, reference: dict
 ) -> None:
-    """The stock decode aborts a request whose destination waits at the idle kvxfer prefill:
-    it holds the pages until the prefill rank says none of its WRITEs can land
-    (``ABORT_ACK``), which kvxfer sends once it released them: the pages come back drained
-    within seconds, not at SGLang's 30 s timeout. The decode keeps serving."""
+    """The decode aborts a request whose destination waits at the idle prefill: it holds the
+    pages until the prefill rank says none of its WRITEs can land (``ABORT_ACK``, sent once
+    it released them): the pages come back drained within seconds, not at SGLang's 30 s
+    timeout. The decode keeps serving."""
     before = _releases(mixed.decode.url)
     room, rid = random.getrandbits(63), f"abort-{random.getrandbits(32)}"
     boot = mixed.prefill.bootstrap_port
@@ -163,3 +179,42 @@ def test_an_aborted_stock_decode_request_is_acknowledged_by_the_kvxfer_prefill(
     p, d = direct(mixed.prefill, mixed.decode, PROMPT_B, PROMPT_B, random.getrandbits(63))
     assert d.status_code == 200, d.text
     assert_matches(d.json(), reference[tuple(PROMPT_B)])
+
+
+def test_a_killed_stock_prefill_fails_the_waiting_request_and_a_restarted_one_serves(
+    mixed: Mixed, reference: dict
+) -> None:
+    """Runs last on its pair, with a stock prefill and a kvxfer decode: the prefill is killed
+    while a decode request waits on it; the decode's probes of its bootstrap server miss
+    (every 2 s, 2 misses), the request fails well before SGLang's waiting timeout, and a
+    prefill restarted on the same bootstrap port (new ranks, new ZMQ ports) serves the
+    next request: the decode bootstrapped and registered again."""
+    if mixed.stock != "prefill":
+        pytest.skip("the decode's liveness probes of a stock prefill are kvxfer's here only")
+    room = random.getrandbits(63)
+    reply: dict[str, Any] = {}
+
+    def wait_on_decode() -> None:
+        reply["d"] = post(mixed.decode.url, body(PROMPT_A, room, mixed.prefill.bootstrap_port), 300)
+        reply["t"] = time.monotonic()
+
+    t = threading.Thread(target=wait_on_decode)
+    t.start()
+    time.sleep(3)  # bootstrapped, its destination sent; no prefill request comes
+    assert t.is_alive(), "the request did not wait"
+    killed = time.monotonic()
+    mixed.prefill.kill()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the decode's request never ended"
+    took = reply["t"] - killed
+    assert _ended_in_error(reply["d"]), reply["d"].text
+    assert took < 30, f"failed after {took:.1f} s"
+    assert "missed 2 heartbeats" in mixed.decode.log_text()
+    mixed.prefill.close()
+    mixed.prefill = _server(
+        "prefill", True, mixed.prefill.bootstrap_port, mixed.logdir, "-restarted"
+    )
+    wait_healthy([mixed.prefill], STARTUP)
+    p, d = direct(mixed.prefill, mixed.decode, PROMPT_A, PROMPT_A, random.getrandbits(63))
+    assert d.status_code == 200, d.text
+    assert_matches(d.json(), reference[tuple(PROMPT_A)])

@@ -126,6 +126,76 @@ pub enum FromDecode {
     Abort(Abort),
 }
 
+/// A message from a stock SGLang prefill rank to a decode rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FromPrefill {
+    /// A room's status (`KV_STATUS`): Success once its WRITEs completed, or Failed.
+    Status {
+        /// The room.
+        room: u64,
+        /// SGLang's `KVPoll` value.
+        status: u8,
+        /// The prefill rank (SGLang's unique rank).
+        rank: u32,
+        /// Why it failed (may be empty).
+        reason: String,
+    },
+    /// No WRITE of the rank can land in the room's pages any more (`ABORT_ACK`).
+    AbortAck {
+        /// The room.
+        room: u64,
+        /// The prefill rank.
+        rank: u32,
+        /// The decode's generation it answers (`None`: an older prefill).
+        generation: Option<u64>,
+    },
+}
+
+/// Decodes one multipart message a prefill rank sent a decode rank.
+pub fn decode_from_prefill(frames: &[&[u8]]) -> Result<FromPrefill, String> {
+    if frames.len() > MAX_FRAMES {
+        return Err(format!("{} frames", frames.len()));
+    }
+    match frames.first() {
+        Some(&f) if f == KV_STATUS => {
+            let reason = frames.get(4).copied().unwrap_or_default();
+            if reason.len() > MAX_TEXT.saturating_mul(64) {
+                return Err(format!("a reason of {} bytes", reason.len()));
+            }
+            Ok(FromPrefill::Status {
+                room: number(frames, 1, "room")?,
+                status: number(frames, 2, "status")?,
+                rank: number(frames, 3, "prefill rank")?,
+                reason: String::from_utf8_lossy(reason).into_owned(),
+            })
+        }
+        Some(&f) if f == ABORT_ACK => Ok(FromPrefill::AbortAck {
+            room: number(frames, 1, "room")?,
+            rank: number(frames, 2, "prefill rank")?,
+            generation: match frames.get(3) {
+                Some(_) => Some(number(frames, 3, "generation")?),
+                None => None,
+            },
+        }),
+        Some(f) => Err(format!(
+            "not an SGLang prefill's status (first frame {:?})",
+            String::from_utf8_lossy(&f[..f.len().min(16)])
+        )),
+        None => Err("no frames".into()),
+    }
+}
+
+/// The frames of a decode's `ABORT` of `room`, acknowledged to `reply` for `generation`.
+pub fn abort(room: u64, reply: &(String, u16), generation: u64) -> Vec<Vec<u8>> {
+    vec![
+        ABORT.to_vec(),
+        room.to_string().into_bytes(),
+        reply.0.clone().into_bytes(),
+        reply.1.to_string().into_bytes(),
+        generation.to_string().into_bytes(),
+    ]
+}
+
 /// Decodes one multipart message.
 pub fn decode(frames: &[&[u8]]) -> Result<FromDecode, String> {
     if frames.len() > MAX_FRAMES {

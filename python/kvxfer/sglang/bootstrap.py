@@ -34,6 +34,23 @@ def parse_reply(body: bytes) -> int:
     return port
 
 
+def parse_rank(body: bytes) -> tuple[str, int]:
+    """A prefill rank's ZMQ endpoint in SGLang's `/route` reply (`{"rank_ip": H,
+    "rank_port": P}`); raises ValueError naming what is wrong."""
+    try:
+        reply = json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"reply is not JSON ({e})") from None
+    if not isinstance(reply, dict):
+        raise ValueError(f"reply is a JSON {type(reply).__name__}, expected an object")
+    host, port = reply.get("rank_ip"), reply.get("rank_port")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise ValueError(f"reply's rank_ip is {str(host)[:40]!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"reply's rank_port is {str(port)[:40]!r}, expected 1 to 65535")
+    return host, port
+
+
 def get(
     host: str, port: int, path: str, timeout: float = TIMEOUT, limit: int = REPLY_LIMIT
 ) -> tuple[int, bytes]:

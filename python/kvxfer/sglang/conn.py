@@ -14,6 +14,12 @@ ZMQ control protocol, which kvxfer replaces.
 Statuses reach SGLang as its ``KVPoll`` values and never go back (SGLang all-reduces them across
 ranks with ``min``): ``Failed`` wins, otherwise a rank reports the highest status it has seen.
 
+Mixed fleets (``KVXFER_TRANSPORT=nixl``): a prefill rank also serves stock SGLang decodes running
+SGLang's own nixl backend, whose messages arrive on SGLang's ZMQ socket of the rank
+(``PushPrefill.stock_message``); a decode rank whose prefill's bootstrap server has no
+``/kvxfer`` route (a stock nixl prefill) speaks SGLang's messages to its ranks itself
+(:mod:`kvxfer.sglang.stock`).
+
 Settings (environment): ``KVXFER_TRANSPORT`` (``ucx``, the default, or ``nixl``) and
 ``KVXFER_UCX_LIBRARY`` (see :mod:`kvxfer.ucx`). SGLang's own ``SGLANG_DISAGGREGATION_*`` timeouts
 and heartbeat settings apply. With ``KVXFER_DISCOVERY=etcd://HOST:PORT[,...]`` (on the prefill and
@@ -35,6 +41,7 @@ SGLang's flag keeps SGLang's own (CUDA) checksum, and kvxfer's has no device ker
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -66,7 +73,8 @@ from sglang.srt.utils.network import NetworkAddress
 import kvxfer
 import kvxfer.nixl
 import kvxfer.ucx
-from kvxfer.sglang import bootstrap
+from kvxfer import _kvxfer as frames
+from kvxfer.sglang import bootstrap, stock
 from kvxfer.sglang.layout import UnsupportedLayout, describe, flat_indices, state_indices
 
 log = logging.getLogger(__name__)
@@ -158,17 +166,24 @@ def _model_config(server_args: ServerArgs) -> Any:
     return ModelConfig.from_server_args(server_args)
 
 
-def _ask_registry(url: str, deadline: float) -> tuple[str, int]:
+def _host_port(url: str) -> tuple[str, int]:
+    host, _, port = url.split("//", 1)[1].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _ask_registry(url: str, deadline: float, stock_ok: bool = False) -> tuple[str, int] | None:
     """The push registry's port from a kvxfer bootstrap server at `url`, retried until
     `deadline` (monotonic) while the server is not up yet. Each try is bounded in time and
-    size and its reply checked (`kvxfer.sglang.bootstrap`)."""
-    host, _, port = url.split("//", 1)[1].rpartition(":")
-    host = host.strip("[]")
+    size and its reply checked (`kvxfer.sglang.bootstrap`). With `stock_ok`, a bootstrap
+    server without the route (a stock SGLang prefill's) gives `None`."""
+    host, port = _host_port(url)
     while True:
         try:
-            status, body = bootstrap.get(host, int(port), REGISTRY_ROUTE)
+            status, body = bootstrap.get(host, port, REGISTRY_ROUTE)
             if status == 200:
                 return host, bootstrap.parse_reply(body)
+            if status == 404 and stock_ok:
+                return None
             reason = f"HTTP {status}: {body[:200]!r}"
         except (OSError, ValueError) as e:
             reason = str(e)
@@ -227,6 +242,7 @@ class KvxferKVManager(CommonKVManager):
         directory = "push registries"
         if disaggregation_mode == DisaggregationMode.PREFILL:
             registry = _ask_registry(self._bootstrap_url(), time.monotonic() + REGISTRY_WAIT)
+            assert registry is not None
             self.push = kvxfer.PushPrefill(
                 name,
                 transport,
@@ -277,6 +293,21 @@ class KvxferKVManager(CommonKVManager):
                 directory = f"etcd cluster {disc.cluster!r}"
             if _digest(server_args, memory):
                 directory += ", content digests checked"
+            self.stock_prefills: set[str] = set()
+            self.stock = stock.StockRooms(float(self.waiting_timeout))
+            self._stock_args = (args, name, "DRAM" if memory == "host" else "VRAM")
+            self._stock_ranks: dict[tuple[str, int], tuple[str, int]] = {}
+            self._stock_registered: set[tuple[str, int]] = set()
+            self._stock_sockets: dict[tuple[str, int], zmq.Socket] = {}
+            # Guards the caches and sockets above: the heartbeat thread forgets prefills.
+            self._stock_lock = threading.RLock()
+            self._generations = itertools.count(1)
+            self._stock_heartbeats: threading.Thread | None = None
+            if transport == "nixl":
+                threading.Thread(
+                    target=self._hear_stock_prefills, name="kvxfer-stock", daemon=True
+                ).start()
+                directory += f"; stock SGLang nixl prefills answer on ZMQ port {self.rank_port}"
         shape = {k: v for k, v in bufs.layout.items() if k != "bases"}
         shape["aux_item_lens"] = [item for _, item, _ in bufs.aux]
         shape["state_item_lens"] = [item for _, item, _ in bufs.state]
@@ -325,6 +356,138 @@ class KvxferKVManager(CommonKVManager):
                 log.warning("kvxfer: stock decode socket: %s", e)
                 time.sleep(0.1)
 
+    # Decode side: stock SGLang prefills (SGLang's own nixl backend).
+
+    def _hear_stock_prefills(self) -> None:
+        """Reads what stock prefill ranks tell this decode rank on SGLang's PULL socket
+        (``KV_STATUS``, ``ABORT_ACK``) into :attr:`stock`."""
+        sock = self.server_socket
+        while True:
+            try:
+                parts = sock.recv_multipart()
+            except (zmq.ContextTerminated, zmq.ZMQError) as e:
+                if sock.closed or isinstance(e, zmq.ContextTerminated):
+                    return
+                log.warning("kvxfer: stock prefill socket: %s", e)
+                time.sleep(0.1)
+                continue
+            try:
+                msg = frames.sglang_nixl_from_prefill(parts)
+            except kvxfer.InvalidArgumentError as e:
+                log.warning("kvxfer: refused a message on the decode's ZMQ socket: %s", e)
+                continue
+            if msg[0] == "status":
+                _, room, status, rank, reason = msg
+                known = self.stock.on_status(room, status, rank, reason)
+            else:
+                _, room, rank, generation = msg
+                known = self.stock.on_ack(room, rank, generation)
+            if not known:
+                log.info(
+                    "kvxfer: %s for room %d from prefill rank %d, not expected", msg[0], room, rank
+                )
+
+    def _probe_stock_prefills(self) -> None:
+        """Asks each stock prefill's bootstrap server ``/health`` every heartbeat interval, as
+        SGLang's decode does: after `max_failures` misses in a row its unfinished rooms fail
+        and it is forgotten (the next request bootstraps again, so a restarted one serves it)."""
+        misses: dict[str, int] = {}
+        interval = max(float(self.heartbeat_interval), 0.5)
+        while True:
+            time.sleep(interval)
+            for addr in list(self.stock_prefills):
+                host, port = _host_port(f"http://{addr}")
+                try:
+                    ok = bootstrap.get(host, port, "/health", timeout=min(interval, 3.0))[0] == 200
+                except (OSError, ValueError):
+                    ok = False
+                misses[addr] = 0 if ok else misses.get(addr, 0) + 1
+                if misses[addr] >= int(self.max_failures):
+                    misses.pop(addr)
+                    reason = f"stock SGLang prefill {addr} missed {self.max_failures} heartbeats"
+                    failed = self.stock.prefill_died(addr, reason)
+                    log.warning("kvxfer: %s; %d rooms failed", reason, failed)
+                    self.forget_prefill(addr)
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """This rank's PULL socket, where stock prefill ranks answer."""
+        return self.local_ip, int(self.rank_port)
+
+    def stock_link(self, bootstrap_addr: str, prefill_tp: int) -> list[tuple[int, tuple[str, int]]]:
+        """The stock prefill ranks this decode rank asks for rooms of the prefill at
+        `bootstrap_addr` (TP `prefill_tp`), each with its ZMQ endpoint, registered with once.
+        Raises :class:`stock.Refused`, OSError or ValueError naming the problem."""
+        with self._stock_lock:
+            return self._link(bootstrap_addr, prefill_tp)
+
+    def _link(self, bootstrap_addr: str, prefill_tp: int) -> list[tuple[int, tuple[str, int]]]:
+        out = []
+        for tp in stock.targets(prefill_tp, self.attn_tp_size, self.attn_tp_rank):
+            key = (bootstrap_addr, tp)
+            if key not in self._stock_ranks:
+                host, port = _host_port(f"http://{bootstrap_addr}")
+                route = (
+                    f"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={tp}"
+                    "&target_pp_rank=0"
+                )
+                status, body = bootstrap.get(host, port, route)
+                if status != 200:
+                    raise ValueError(f"{bootstrap_addr}{route}: HTTP {status}: {body[:200]!r}")
+                self._stock_ranks[key] = bootstrap.parse_rank(body)
+            endpoint = self._stock_ranks[key]
+            if endpoint not in self._stock_registered:
+                self.stock_send(endpoint, self._stock_registration())
+                self._stock_registered.add(endpoint)
+            out.append((tp, endpoint))
+        return out
+
+    def _stock_registration(self) -> list[bytes]:
+        args, agent, kind = self._stock_args
+        ptrs = [int(p) for p in args.kv_data_ptrs]
+        items = [int(n) for n in args.kv_item_lens]
+        slots = min(int(n) // i for n, i in zip(args.kv_data_lens, items, strict=True))
+        state = [list(x or []) for x in (getattr(args, "state_data_ptrs", None) or [])]
+        extra: dict[str, Any] = {}
+        if state:
+            extra = {
+                "state_ptrs": [int(p) for p in state[0]],
+                "state_item_lens": [int(n) for n in args.state_item_lens[0]],
+                "state_data_lens": [int(n) for n in args.state_data_lens[0]],
+            }
+        return frames.sglang_nixl_registration(
+            self.endpoint,
+            agent,
+            self.decode.native_metadata(),
+            ptrs,
+            items,
+            slots,
+            kind,
+            [int(p) for p in args.aux_data_ptrs],
+            gpu_id=int(getattr(args, "gpu_id", 0) or 0),
+            tp=(self.attn_tp_size, self.attn_tp_rank),
+            **extra,
+        )
+
+    def stock_send(self, endpoint: tuple[str, int], parts: list[bytes]) -> None:
+        """Pushes one message to a stock prefill rank, within a second (as SGLang's decode
+        does); raises zmq.ZMQError, dropping the socket, when it cannot."""
+        with self._stock_lock:
+            sock = self._stock_sockets.get(endpoint)
+            if sock is None:
+                sock = self._zmq_ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDTIMEO, 1000)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(NetworkAddress(*endpoint).to_tcp())
+                self._stock_sockets[endpoint] = sock
+            try:
+                sock.send_multipart(parts)
+            except zmq.ZMQError:
+                self._stock_sockets.pop(endpoint, None)
+                sock.close(linger=0)
+                self._stock_registered.discard(endpoint)
+                raise
+
     def _heads(self, args: KVArgs, server_args: ServerArgs, is_mla: bool) -> tuple[int, int]:
         """This rank's KV heads and the model's: SGLang fills them in on the prefill; a decode
         reads the model's count and shards it as SGLang does (replicated below one a rank)."""
@@ -368,9 +531,20 @@ class KvxferKVManager(CommonKVManager):
         ranks were sent them and counts their acknowledgements itself (`required_acks`, the
         count SGLang's own receivers keep, is not needed)."""
         self.tick()
+        if bootstrap_room in self.stock:
+            return self.stock.drained(int(bootstrap_room))
         return self.decode.drained(int(bootstrap_room))
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        if bootstrap_room in self.stock:
+            if not self.stock.drained(int(bootstrap_room)):
+                log.warning(
+                    "kvxfer: room %d released before its stock prefill ranks acknowledged "
+                    "its abort (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed)",
+                    bootstrap_room,
+                )
+            self.stock.forget(int(bootstrap_room))
+            return
         decode = self.decode
         if not decode.drained(int(bootstrap_room)):
             log.warning(
@@ -385,15 +559,27 @@ class KvxferKVManager(CommonKVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
-        if bootstrap_addr in self.registries:
+        if bootstrap_addr in self.registries or bootstrap_addr in self.stock_prefills:
             return True
         try:
             url = f"http://{bootstrap_addr}"
-            self.registries[bootstrap_addr] = _ask_registry(url, time.monotonic())
+            registry = _ask_registry(url, time.monotonic(), stock_ok=True)
         except RuntimeError as e:
             log.error("%s", e)
             self.prefill_info_table.pop(bootstrap_addr, None)
             return False
+        if registry is None:
+            # SGLang's own bootstrap server: a stock prefill (its nixl backend, we hope; its
+            # ranks say otherwise by not answering).
+            log.info("kvxfer: %s is a stock SGLang prefill (no %s route)", url, REGISTRY_ROUTE)
+            self.stock_prefills.add(bootstrap_addr)
+            if self._stock_heartbeats is None:
+                self._stock_heartbeats = threading.Thread(
+                    target=self._probe_stock_prefills, name="kvxfer-stock-hb", daemon=True
+                )
+                self._stock_heartbeats.start()
+        else:
+            self.registries[bootstrap_addr] = registry
         return True
 
     def registry(self, bootstrap_addr: str) -> tuple[str, int] | None:
@@ -405,6 +591,10 @@ class KvxferKVManager(CommonKVManager):
         registry), so the next request asks its bootstrap server again."""
         self.registries.pop(bootstrap_addr, None)
         self.prefill_info_table.pop(bootstrap_addr, None)
+        with self._stock_lock:
+            self.stock_prefills.discard(bootstrap_addr)
+            for key in [k for k in self._stock_ranks if k[0] == bootstrap_addr]:
+                self._stock_registered.discard(self._stock_ranks.pop(key))
 
 
 GONE = ("heartbeats", "registry", "connect", "refused", "timed out", "etcd")
@@ -573,11 +763,15 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list[dict[str, Any]] = []
+        # The ranks of a stock SGLang prefill (its own nixl backend) this room goes to.
+        self.stock_ranks: list[tuple[int, tuple[str, int]]] | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
         self.registry = self.kv_mgr.registry(self.bootstrap_addr)
-        if info is None or self.registry is None:
+        if info is not None and self.bootstrap_addr in self.kv_mgr.stock_prefills:
+            self._init_stock(info)
+        elif info is None or self.registry is None:
             self._fail(f"no kvxfer prefill known at {self.bootstrap_addr}")
         elif info.dp_size != 1 or info.attn_cp_size != 1:
             self._fail(
@@ -586,6 +780,42 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
             )
         else:
             self._rise(KVPoll.WaitingForInput)
+
+    def _init_stock(self, info: Any) -> None:
+        if info.dp_size != 1 or info.attn_cp_size != 1 or info.pp_size != 1:
+            self._fail(
+                f"the stock prefill at {self.bootstrap_addr} has dp_size {info.dp_size}, "
+                f"attn_cp_size {info.attn_cp_size} and pp_size {info.pp_size}; kvxfer takes KV "
+                "from stock prefills of dp 1, cp 1, pp 1"
+            )
+            return
+        try:
+            self.stock_ranks = self.kv_mgr.stock_link(self.bootstrap_addr, info.attn_tp_size)
+        except (stock.Refused, OSError, ValueError, zmq.ZMQError) as e:
+            self._fail(f"stock SGLang prefill at {self.bootstrap_addr}: {e}")
+            return
+        self._rise(KVPoll.WaitingForInput)
+
+    def _send_stock(
+        self, pages: list[int], aux_index: int | None, state: list[int], prefix: int
+    ) -> None:
+        assert self.stock_ranks is not None
+        mgr = self.kv_mgr
+        parts = frames.sglang_nixl_room(
+            self.bootstrap_room,
+            mgr.endpoint,
+            mgr._stock_args[1],
+            pages,
+            aux_index,
+            1,
+            state,
+            prefix,
+        )
+        # Known before the first send: an answer may come back at once.
+        mgr.stock.sent(self.bootstrap_room, self.bootstrap_addr, [tp for tp, _ in self.stock_ranks])
+        self.added = True
+        for _, endpoint in self.stock_ranks:
+            mgr.stock_send(endpoint, parts)
 
     def send_metadata(
         self,
@@ -598,11 +828,23 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
     ) -> None:
         if self.conclude_state is not None:
             return
-        if self.registry is None:
-            self._fail("send_metadata before init")
-            return
         if destination != KVTransferDestination.DEVICE:
             self._fail("kvxfer writes into the decode's device pool only")
+            return
+        if self.stock_ranks is not None:
+            try:
+                self._send_stock(
+                    flat_indices(kv_indices),
+                    None if aux_index is None else int(aux_index),
+                    _state_of(state_indices) or [],
+                    int(decode_prefix_len or 0),
+                )
+            except (zmq.ZMQError, OverflowError, TypeError, ValueError) as e:
+                self._fail(f"stock SGLang prefill at {self.bootstrap_addr}: {e}")
+                self._release()
+            return
+        if self.registry is None:
+            self._fail("send_metadata before init")
             return
         try:
             self.kv_mgr.push.add_room(
@@ -624,6 +866,8 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
             return self.conclude_state
         if not self.added:
             return self.status
+        if self.stock_ranks is not None:
+            return self._poll_stock()
         self.kv_mgr.tick()
         status = self.kv_mgr.push.status(self.bootstrap_room)
         if status is None:
@@ -635,7 +879,40 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
                 self.kv_mgr.forget_prefill(self.bootstrap_addr)
         return result
 
+    def _poll_stock(self) -> int:
+        status, reason = self.kv_mgr.stock.status(self.bootstrap_room)
+        if status == KVPoll.Failed:
+            self._fail(reason or "failed")
+            self._release()
+            if any(w in (self.reason or "") for w in GONE):
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            return KVPoll.Failed
+        self.status = max(self.status, status)
+        if self.status == KVPoll.Success:
+            self.conclude_state = KVPoll.Success
+        return self.status
+
     def _release(self) -> None:
+        if self.added and self.stock_ranks is not None:
+            # Its prefill ranks are told to stop; SGLang holds the pages until each answered
+            # or acknowledged (the manager's `is_abort_release_safe`).
+            mgr = self.kv_mgr
+            generation = next(mgr._generations)
+            ranks = set(mgr.stock.abort(self.bootstrap_room, generation))
+            parts = frames.sglang_nixl_abort(self.bootstrap_room, mgr.endpoint, generation)
+            for tp, endpoint in self.stock_ranks:
+                if tp in ranks:
+                    try:
+                        mgr.stock_send(endpoint, parts)
+                    except zmq.ZMQError as e:
+                        log.warning(
+                            "kvxfer: abort of room %d not sent to %s: %s",
+                            self.bootstrap_room,
+                            endpoint,
+                            e,
+                        )
+            self.abort_notified = True
+            return
         if self.added:
             # Its prefill ranks are told to stop writing (the connector also tells them
             # of a room it forgets before its bootstrap came back) and acknowledge; the room
@@ -654,7 +931,12 @@ class KvxferKVReceiver(_Room, BaseKVReceiver):
             if not self.kv_mgr.enable_deferred_decode_kv_release:
                 # SGLang releases the pages now (its deferred release is switched off):
                 # nothing will ask whether the room drained.
-                self.kv_mgr.decode.forget(self.bootstrap_room)
+                if self.stock_ranks is not None:
+                    self.kv_mgr.stock.forget(self.bootstrap_room)
+                else:
+                    self.kv_mgr.decode.forget(self.bootstrap_room)
+        elif self.added and self.stock_ranks is not None:
+            self.kv_mgr.stock.forget(self.bootstrap_room)
         elif self.added:
             self.kv_mgr.push.remove_room(self.bootstrap_room)
 

@@ -202,3 +202,57 @@ fn a_claimed_list_count_allocates_nothing_the_input_does_not_hold() {
     let e = decode(&frames(&f)).unwrap_err();
     assert!(e.contains("truncated"), "{e}");
 }
+
+#[test]
+fn what_a_prefill_tells_a_decode_decodes_and_anything_else_is_refused() {
+    let f = kv_status(7, status::FAILED, 3, "page 9 out of range");
+    assert_eq!(
+        decode_from_prefill(&frames(&f)),
+        Ok(FromPrefill::Status {
+            room: 7,
+            status: 0,
+            rank: 3,
+            reason: "page 9 out of range".into(),
+        })
+    );
+    let f = abort_ack(7, 1, 12);
+    assert_eq!(
+        decode_from_prefill(&frames(&f)),
+        Ok(FromPrefill::AbortAck {
+            room: 7,
+            rank: 1,
+            generation: Some(12),
+        })
+    );
+    assert_eq!(
+        decode_from_prefill(&frames(&f[..3])),
+        Ok(FromPrefill::AbortAck {
+            room: 7,
+            rank: 1,
+            generation: None,
+        })
+    );
+    let mut bad = kv_status(7, status::SUCCESS, 0, "");
+    bad[2] = b"x".to_vec();
+    assert!(
+        decode_from_prefill(&frames(&bad))
+            .unwrap_err()
+            .contains("status")
+    );
+    assert!(decode_from_prefill(&frames(&bad[..2])).is_err());
+    assert!(decode_from_prefill(&[b"ABORT".as_slice(), b"7"]).is_err());
+    assert!(decode_from_prefill(&[]).is_err());
+    // A decode's abort, as SGLang's decode sends it.
+    assert_eq!(
+        abort(7, &("10.0.0.1".into(), 4000), 2),
+        [&b"ABORT"[..], b"7", b"10.0.0.1", b"4000", b"2"]
+    );
+    let a = abort(7, &("10.0.0.1".into(), 4000), 2);
+    assert_eq!(
+        decode(&frames(&a)),
+        Ok(FromDecode::Abort(Abort {
+            room: 7,
+            ack: Some((("10.0.0.1".into(), 4000), 2)),
+        }))
+    );
+}
