@@ -13,6 +13,8 @@ per direction, several cases against it."""
 
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,8 @@ import pytest
 import requests
 from conftest import HEARTBEAT, PROMPTS, STARTUP, _usable_or_skip
 from harness import (
+    HERE,
+    MODEL,
     NIXL_DRAM,
     NIXL_ENV,
     PROMPT_A,
@@ -41,6 +45,7 @@ from harness import (
 )
 
 LOGPROB_TOLERANCE = 1e-4
+MAKE_MODEL = HERE.parent / "tests_vllm" / "make_model.py"
 
 
 @dataclass
@@ -50,13 +55,17 @@ class Mixed:
     decode: Server
     router: Router
     logdir: Path
+    # Beside a kvxfer prefill: a stock decode of a model with another KV layout.
+    other: Server | None = None
 
 
-def _server(role: str, stock: bool, boot: int, logdir: Path, suffix: str = "") -> Server:
+def _server(
+    role: str, stock: bool, boot: int, logdir: Path, suffix: str = "", model: Path = MODEL
+) -> Server:
     """A server on the engine's own NIXL (the wheel SGLang imports: NIXL peers must run the
     same release), running SGLang's nixl backend if `stock`, else kvxfer's."""
     name = f"{role}-{'stock' if stock else 'kvxfer'}-mixed{suffix}"
-    extra = {"backend": "nixl", "paths": (NIXL_DRAM,)} if stock else {}
+    extra: dict[str, Any] = {"backend": "nixl", "paths": (NIXL_DRAM,)} if stock else {}
     if role == "decode":
         extra |= {"env": HEARTBEAT, "args": ("--enable-metrics",)}
     cpus = "0" if role == "prefill" else "1"
@@ -68,6 +77,7 @@ def _server(role: str, stock: bool, boot: int, logdir: Path, suffix: str = "") -
         bootstrap_port=boot,
         unset=NIXL_ENV,
         name=name,
+        model=model,
         **extra,
     )
 
@@ -82,12 +92,22 @@ def mixed(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iter
     prefill = _server("prefill", stock == "prefill", boot, logdir)
     decode = _server("decode", stock == "decode", boot, logdir)
     servers: list[Server | Router] = [prefill, decode]
+    other = None
+    if stock == "decode":
+        # The same model with one KV head instead of two: pages of another layout.
+        kv1 = logdir / "tiny-kv1"
+        if not (kv1 / "config.json").exists():
+            subprocess.run(
+                [sys.executable, str(MAKE_MODEL), str(kv1), "--preset", "tiny-kv1"], check=True
+            )
+        other = _server("decode", True, boot, logdir, "-kv1", kv1)
+        servers.append(other)
     try:
         wait_healthy(servers, STARTUP)
         router = Router(prefill, decode, logdir, f"router-mixed-{stock}")
         servers.append(router)
         wait_healthy([router], 120)
-        mixed = Mixed(stock, prefill, decode, router, logdir)
+        mixed = Mixed(stock, prefill, decode, router, logdir, other)
         yield mixed
         servers.append(mixed.prefill)  # restarted by a test
     finally:
@@ -121,9 +141,34 @@ def test_through_the_router_the_outputs_equal_a_plain_run(mixed: Mixed, referenc
     for ids, r in zip(PROMPTS, replies, strict=True):
         assert r.status_code == 200, r.text
         assert_matches(r.json(), reference[tuple(ids)])
-    assert "refused a" not in kvxfer_side.log_text()
+    if mixed.stock == "prefill":
+        assert "refused a" not in kvxfer_side.log_text()
     if mixed.stock == "prefill":
         assert "is a stock SGLang prefill" in mixed.decode.log_text()
+
+
+def test_a_stock_decode_of_another_kv_layout_is_refused_naming_the_factor(
+    mixed: Mixed, reference: dict
+) -> None:
+    """A stock decode whose model has one KV head (the prefill's has two) registers with the
+    kvxfer prefill: the registration is refused, naming the heads, and the decode's room is
+    answered Failed at once (not after SGLang's waiting timeout); the prefill keeps serving."""
+    if mixed.other is None:
+        pytest.skip("a stock decode beside a kvxfer prefill only")
+    start = time.monotonic()
+    r = post(mixed.other.url, body(PROMPT_A, random.getrandbits(63), mixed.prefill.bootstrap_port))
+    took = time.monotonic() - start
+    assert _ended_in_error(r), r.text
+    assert took < 30, f"failed after {took:.1f} s"
+    log = mixed.prefill.log_text()
+    refusal = re.search(r"refused a stock SGLang decode's message: (.*)", log)
+    assert refusal, "the prefill logs the refusal"
+    assert "1 KV heads per rank, but 2 heads over TP 1" in refusal.group(1), refusal.group(1)
+    # ... and the stock decode was told why (its room's failure).
+    assert "its registration was refused" in mixed.other.log_text()
+    ok = post(mixed.router.url, body(PROMPT_B))
+    assert ok.status_code == 200, ok.text
+    assert_matches(ok.json(), reference[tuple(PROMPT_B)])
 
 
 def test_the_decode_continues_from_the_kv_the_prefill_wrote(mixed: Mixed, reference: dict) -> None:

@@ -1,7 +1,8 @@
 """Writes a small model with seeded random weights, so the real-engine tests and the benchmark
 run a real model without downloading one. Usage: make_model.py DIR [--preset NAME]
 
-Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token),
+Presets: `tiny` (2 layers, 2 KV heads, head dim 64, fp32: 2 KiB of KV per token), `tiny-kv1`
+(`tiny` with one KV head: another KV layout, for refusals),
 `hybrid` (4 layers alternating full and 64-token sliding-window attention, as Gemma 3 and
 gpt-oss interleave them: vLLM's hybrid KV cache manager gives the two kinds separate KV cache
 groups that share memory), `mla` (a DeepSeek-V2: 2 dense layers with multi-head latent
@@ -30,6 +31,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hidden_size": 128,
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "torch_dtype": "float32",
+    },
+    "tiny-kv1": {
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
         "head_dim": 64,
         "num_hidden_layers": 2,
         "intermediate_size": 256,

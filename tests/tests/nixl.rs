@@ -489,12 +489,16 @@ fn a_stock_sglang_decode_is_written_and_told_by_message() {
                 ..room(&decodes[0], 5, &dst, d)
             };
             let e = p.stock_message(&frames(&sgl::encode_room(&m))).unwrap_err();
-            assert!(e.contains("unregistered"), "{e}");
+            assert!(
+                e.starts_with("its registration was refused: stock SGLang decode not-whole-heads:")
+                    && e.contains("bytes per KV page"),
+                "{e}"
+            );
             let told = p.take_stock_outbox();
             assert_eq!(told.len(), 1);
             assert_eq!(
-                told[0].frames[..4],
-                sgl::kv_status(5, sgl::status::FAILED, 0, "")[..4]
+                told[0].frames,
+                sgl::kv_status(5, sgl::status::FAILED, 0, &e)
             );
 
             for dec in &decodes {

@@ -149,6 +149,9 @@ pub struct PushPrefill<T: Transport> {
     digests: Option<Result<PageDigests, String>>,
     /// Messages for stock SGLang decodes, until the engine takes them.
     stock_outbox: Vec<StockOutgoing>,
+    /// Why stock decodes' registrations were refused, by agent (bounded), so that their
+    /// rooms fail naming it.
+    stock_refusals: HashMap<String, String>,
 }
 
 /// Counters of a prefill rank, read and reset with [`PushPrefill::take_metrics`].
@@ -295,6 +298,7 @@ impl<T: Transport> PushPrefill<T> {
             metrics: PushMetrics::default(),
             digests: None,
             stock_outbox: Vec::new(),
+            stock_refusals: HashMap::new(),
         })
     }
 

@@ -22,6 +22,9 @@ use crate::transport::{AddrRange, MemoryKind, Transport};
 use crate::wire::handshake::LayoutWire;
 use crate::wire::sglang_nixl::{self as sgl, FromDecode};
 
+/// Refused registrations whose reasons are kept for their decodes' rooms.
+const MAX_REFUSALS_KEPT: usize = 64;
+
 /// A message for a stock decode's PULL socket (`tcp://host:port`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StockOutgoing {
@@ -232,16 +235,27 @@ impl<T: Transport> PushPrefill<T> {
             FromDecode::Register(r) => {
                 self.metrics.registrations.tally(1);
                 let endpoint = r.endpoint.clone();
-                let t = translate(&self.bufs, &r).inspect_err(|_| self.refused.tally(1))?;
-                self.register_decode(t.args, Some((endpoint, t.regions)))
-                    .inspect_err(|_| self.refused.tally(1))
+                let agent = r.agent.clone();
+                let registered = translate(&self.bufs, &r)
+                    .and_then(|t| self.register_decode(t.args, Some((endpoint, t.regions))));
+                if let Err(e) = &registered {
+                    self.refused.tally(1);
+                    if self.stock_refusals.len() >= MAX_REFUSALS_KEPT {
+                        self.stock_refusals.clear();
+                    }
+                    self.stock_refusals.insert(agent, e.clone());
+                }
+                registered
             }
             FromDecode::Room(m) => {
                 let problem = match self.decodes.get(&m.agent).map(|d| &d.stock) {
-                    None => Some(format!(
-                        "stock SGLang decode {} sent room {} unregistered (or its registration was refused)",
-                        m.agent, m.room
-                    )),
+                    None => Some(match self.stock_refusals.get(&m.agent) {
+                        Some(why) => format!("its registration was refused: {why}"),
+                        None => format!(
+                            "stock SGLang decode {} sent room {} unregistered",
+                            m.agent, m.room
+                        ),
+                    }),
                     Some(None) => Some(format!("{} is a kvxfer decode", m.agent)),
                     Some(Some(s)) if s.endpoint != m.endpoint => Some(format!(
                         "room {} names {:?}, its decode registered {:?}",
