@@ -471,13 +471,17 @@ class KvxferKVManager(CommonKVManager):
 
     def stock_send(self, endpoint: tuple[str, int], parts: list[bytes]) -> None:
         """Pushes one message to a stock prefill rank, within a second (as SGLang's decode
-        does); raises zmq.ZMQError, dropping the socket, when it cannot."""
+        does); raises zmq.ZMQError when it cannot, forgetting the socket and where that rank
+        was (a restarted prefill's ranks listen elsewhere: the next room asks again)."""
         with self._stock_lock:
             sock = self._stock_sockets.get(endpoint)
             if sock is None:
                 sock = self._zmq_ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDTIMEO, 1000)
                 sock.setsockopt(zmq.LINGER, 0)
+                # Only to a connected rank: a message to one that is gone fails its send
+                # instead of waiting in a queue for a rank that never comes back.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
                 sock.connect(NetworkAddress(*endpoint).to_tcp())
                 self._stock_sockets[endpoint] = sock
             try:
@@ -486,6 +490,8 @@ class KvxferKVManager(CommonKVManager):
                 self._stock_sockets.pop(endpoint, None)
                 sock.close(linger=0)
                 self._stock_registered.discard(endpoint)
+                for key in [k for k, v in self._stock_ranks.items() if v == endpoint]:
+                    del self._stock_ranks[key]
                 raise
 
     def _heads(self, args: KVArgs, server_args: ServerArgs, is_mla: bool) -> tuple[int, int]:
