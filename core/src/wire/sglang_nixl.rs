@@ -153,9 +153,7 @@ pub enum FromPrefill {
 
 /// Decodes one multipart message a prefill rank sent a decode rank.
 pub fn decode_from_prefill(frames: &[&[u8]]) -> Result<FromPrefill, String> {
-    if frames.len() > MAX_FRAMES {
-        return Err(format!("{} frames", frames.len()));
-    }
+    check_frames(frames)?;
     match frames.first() {
         Some(&f) if f == KV_STATUS => {
             let reason = frames.get(4).copied().unwrap_or_default();
@@ -198,12 +196,7 @@ pub fn abort(room: u64, reply: &(String, u16), generation: u64) -> Vec<Vec<u8>> 
 
 /// Decodes one multipart message.
 pub fn decode(frames: &[&[u8]]) -> Result<FromDecode, String> {
-    if frames.len() > MAX_FRAMES {
-        return Err(format!("{} frames", frames.len()));
-    }
-    if let Some(f) = frames.iter().find(|f| f.len() > MAX_FRAME_BYTES) {
-        return Err(format!("a frame of {} bytes", f.len()));
-    }
+    check_frames(frames)?;
     match frames.first() {
         Some(&f) if f == ABORT => decode_abort(frames).map(FromDecode::Abort),
         Some(&f) if f == GUARD => match frames.get(1) {
@@ -301,6 +294,17 @@ pub fn encode_room(r: &Room) -> Vec<Vec<u8>> {
     ]
 }
 
+/// At most MAX_FRAMES frames of at most MAX_FRAME_BYTES each.
+fn check_frames(frames: &[&[u8]]) -> Result<(), String> {
+    if frames.len() > MAX_FRAMES {
+        return Err(format!("{} frames", frames.len()));
+    }
+    match frames.iter().find(|f| f.len() > MAX_FRAME_BYTES) {
+        Some(f) => Err(format!("a frame of {} bytes", f.len())),
+        None => Ok(()),
+    }
+}
+
 fn decode_abort(f: &[&[u8]]) -> Result<Abort, String> {
     let room = number(f, 1, "room")?;
     let ack = if f.len() >= 5 {
@@ -396,10 +400,8 @@ fn decode_room(f: &[&[u8]]) -> Result<Room, String> {
             f.len()
         ));
     }
+    // At most MAX_PAGES (`unpack`'s bound).
     let signed = unpack::<4>(f[5], "pages")?;
-    if signed.len() > MAX_PAGES {
-        return Err(format!("{} pages", signed.len()));
-    }
     let pages = signed
         .into_iter()
         .map(|v| {
@@ -442,10 +444,8 @@ fn decode_room(f: &[&[u8]]) -> Result<Room, String> {
 }
 
 fn text<'a>(f: &[&'a [u8]], i: usize, what: &str) -> Result<&'a str, String> {
+    // Bounded by MAX_FRAME_BYTES (`check_frames`).
     let b = f.get(i).ok_or_else(|| format!("no {what} frame"))?;
-    if b.len() > MAX_TEXT.saturating_mul(MAX_ENTRIES) {
-        return Err(format!("{what} of {} bytes", b.len()));
-    }
     std::str::from_utf8(b)
         .ok()
         .filter(|s| s.is_ascii())

@@ -282,10 +282,7 @@ impl<T: Transport> PushPrefill<T> {
                     )),
                     _ => None,
                 };
-                let req = req.unwrap_or_else(|_| RoomRequest {
-                    pages: Vec::new(),
-                    ..room_request_stub(&m)
-                });
+                let req = req.unwrap_or_else(|_| room_request_stub(&m));
                 self.on_room_with(req, problem);
                 Ok(())
             }

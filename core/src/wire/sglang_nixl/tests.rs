@@ -240,7 +240,16 @@ fn what_a_prefill_tells_a_decode_decodes_and_anything_else_is_refused() {
             .contains("status")
     );
     assert!(decode_from_prefill(&frames(&bad[..2])).is_err());
-    assert!(decode_from_prefill(&[b"ABORT".as_slice(), b"7"]).is_err());
+    assert!(decode_from_prefill(&[b"ABORT".as_slice(), b"7", b"1"]).is_err());
+    // SGLang appends nothing past its frames, but a message of up to MAX_FRAMES decodes.
+    let mut long = kv_status(7, status::SUCCESS, 0, "");
+    long.resize(MAX_FRAMES, Vec::new());
+    assert!(decode_from_prefill(&frames(&long)).is_ok());
+    long.push(Vec::new());
+    assert_eq!(
+        decode_from_prefill(&frames(&long)),
+        Err(format!("{} frames", MAX_FRAMES + 1))
+    );
     assert!(decode_from_prefill(&[]).is_err());
     // A decode's abort, as SGLang's decode sends it.
     assert_eq!(
@@ -255,4 +264,84 @@ fn what_a_prefill_tells_a_decode_decodes_and_anything_else_is_refused() {
             ack: Some((("10.0.0.1".into(), 4000), 2)),
         }))
     );
+}
+
+#[test]
+fn every_bound_holds_exactly_at_its_limit() {
+    // Frames: MAX_FRAMES of up to MAX_FRAME_BYTES each.
+    let mut abort = abort(8, &("h".into(), 1), 2);
+    abort.resize(MAX_FRAMES - 1, Vec::new());
+    abort.push(vec![b'x'; MAX_FRAME_BYTES]);
+    assert!(decode(&frames(&abort)).is_ok());
+    assert!(
+        decode_from_prefill(&frames(&abort)).is_err(),
+        "not a status"
+    );
+    abort[MAX_FRAMES - 1].push(b'x');
+    assert_eq!(
+        decode(&frames(&abort)),
+        Err(format!("a frame of {} bytes", MAX_FRAME_BYTES + 1))
+    );
+    let mut status = kv_status(7, status::FAILED, 0, "");
+    status.push(vec![b'x'; MAX_FRAME_BYTES + 1]);
+    assert!(
+        decode_from_prefill(&frames(&status))
+            .unwrap_err()
+            .contains("a frame of")
+    );
+    // A reason of up to MAX_TEXT * 64 bytes.
+    let long = "r".repeat(MAX_TEXT * 64);
+    assert!(decode_from_prefill(&frames(&kv_status(7, 0, 0, &long))).is_ok());
+    let longer = format!("{long}r");
+    let e = decode_from_prefill(&frames(&kv_status(7, 0, 0, &longer))).unwrap_err();
+    assert_eq!(e, format!("a reason of {} bytes", MAX_TEXT * 64 + 1));
+    // Names and hosts of 1 to MAX_TEXT bytes.
+    let named = |agent: String, host: String| {
+        let r = Room {
+            agent,
+            endpoint: (host, 1),
+            ..room()
+        };
+        decode(&frames(&encode_room(&r)))
+    };
+    let max = "a".repeat(MAX_TEXT);
+    assert!(named(max.clone(), max.clone()).is_ok());
+    assert!(
+        named(format!("{max}a"), "h".into())
+            .unwrap_err()
+            .contains("agent name of 257")
+    );
+    assert!(
+        named("a".into(), format!("{max}a"))
+            .unwrap_err()
+            .contains("host of 257")
+    );
+    assert!(
+        named("a".into(), String::new())
+            .unwrap_err()
+            .contains("host of 0")
+    );
+    // A room of up to MAX_PAGES pages.
+    let most = Room {
+        pages: vec![1; MAX_PAGES],
+        ..room()
+    };
+    assert!(decode(&frames(&encode_room(&most))).is_ok());
+    let mut f = encode_room(&most);
+    f[5].extend_from_slice(&1u32.to_le_bytes());
+    assert_eq!(
+        decode(&frames(&f)),
+        Err(format!("pages: {} entries", MAX_PAGES + 1))
+    );
+    // Up to MAX_ENTRIES state lists.
+    let lists = Registration {
+        state_item_lens: vec![Vec::new(); MAX_ENTRIES],
+        ..registration()
+    };
+    assert!(decode(&frames(&encode_registration(&lists))).is_ok());
+    let mut f = encode_registration(&lists);
+    let mut over = ((MAX_ENTRIES + 1) as u32).to_le_bytes().to_vec();
+    over.resize(4 * (MAX_ENTRIES + 2), 0);
+    f[13] = over;
+    assert!(decode(&frames(&f)).unwrap_err().contains("65537 lists"));
 }

@@ -85,6 +85,26 @@ fn a_stock_registration_reads_as_the_kvxfer_decode_with_those_buffers() {
             .contains(&(MemoryKind::Host, AddrRange::new(0xc0000, region)))
     );
     assert_eq!(t.regions.len(), 5);
+    // One state type: its buffers' items from their lengths.
+    let with_state = sgl::Registration {
+        state_ptrs: vec![vec![0x5000]],
+        state_item_lens: vec![vec![64]],
+        state_data_lens: vec![vec![640]],
+        ..registration()
+    };
+    let t = translate(&bufs, &with_state).expect("state");
+    assert_eq!(
+        t.args.state,
+        [BufferWire {
+            base: 0x5000,
+            item_len: 64,
+            items: 10
+        }]
+    );
+    assert!(
+        t.regions
+            .contains(&(MemoryKind::Host, AddrRange::new(0x5000, 640)))
+    );
     // An MLA prefill takes one latent buffer per layer, the same page size.
     let mla = prefill_bufs(CacheKind::Mla);
     let r = sgl::Registration {
@@ -96,6 +116,13 @@ fn a_stock_registration_reads_as_the_kvxfer_decode_with_those_buffers() {
     let t = translate(&mla, &r).expect("MLA");
     assert_eq!(t.args.kv_bases, [0xa0000, 0xb0000]);
     assert_eq!(t.args.layout.kv_heads, 1);
+    // A latent is one "head": a page of another size is another latent.
+    let other = sgl::Registration {
+        kv_item_lens: vec![2 * 8 * 16; 2],
+        ..r
+    };
+    let e = translate(&mla, &other).err().expect("refused");
+    assert!(e.contains("256 bytes per KV page"), "{e}");
 }
 
 #[test]
@@ -175,6 +202,22 @@ fn what_kvxfer_does_not_write_is_refused_naming_it() {
             ..registration()
         },
         "1 state buffers with 0 lengths",
+    );
+    refused(
+        sgl::Registration {
+            state_ptrs: vec![vec![1]],
+            state_data_lens: vec![vec![640]],
+            ..registration()
+        },
+        "1 state buffers with 1 lengths and 0 item lengths",
+    );
+    refused(
+        sgl::Registration {
+            state_ptrs: vec![vec![1]],
+            state_item_lens: vec![vec![64]],
+            ..registration()
+        },
+        "1 state buffers with 0 lengths and 1 item lengths",
     );
     refused(
         sgl::Registration {
