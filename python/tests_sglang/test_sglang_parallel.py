@@ -9,7 +9,10 @@ continues A.
 SGLang's CPU engine runs TP 2 here with two settings of its own: ``SGLANG_NCCL_SO_PATH``
 pointing at no library (its NCCL communicator then switches itself off, as on a machine
 without NCCL; the CPU all-reduce goes through torch.distributed) and
-``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank: this machine has one NUMA node)."""
+``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank: this machine has one NUMA node).
+
+Named to run before ``test_sglang_push.py``: the UCX pair it borrows is then started once
+for both modules."""
 
 import random
 from collections.abc import Iterator
