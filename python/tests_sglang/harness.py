@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import requests
 
 HERE = Path(__file__).parent
@@ -264,6 +266,38 @@ def post(url: str, b: dict, timeout: float = 120) -> requests.Response:
 def tokens_and_logprobs(reply: dict) -> tuple[list[int], list[float]]:
     lp = reply["meta_info"]["output_token_logprobs"]
     return reply["output_ids"], [float(x[0]) for x in lp]
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def assert_matches(reply: dict, ref: dict) -> None:
+    """`reply` has the plain run's tokens, and its logprobs within `LOGPROB_TOLERANCE`."""
+    ids, lps = tokens_and_logprobs(reply)
+    assert ids == ref["output_ids"]
+    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
+
+
+def ended_in_error(r: requests.Response) -> bool:
+    """Whether a generate request failed or was aborted."""
+    if r.status_code != 200:
+        return True
+    finish = r.json().get("meta_info", {}).get("finish_reason") or {}
+    return finish.get("type") == "abort"
+
+
+def deferred_releases(decode_url: str) -> dict[str, float]:
+    """SGLang's count of the decode's deferred page releases, by outcome (``drained``: every
+    writer acknowledged; ``timeout``: released without; needs ``--enable-metrics``)."""
+    text = requests.get(f"{decode_url}/metrics", timeout=5).text
+    found: dict[str, float] = {}
+    for m in re.finditer(
+        r'^sglang:decode_deferred_kv_release_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
+        text,
+        re.M,
+    ):
+        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+    return found
 
 
 def direct(

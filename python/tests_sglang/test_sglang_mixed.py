@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import requests
 from conftest import HEARTBEAT, PROMPTS, STARTUP, _usable_or_skip
@@ -36,15 +35,16 @@ from harness import (
     PROMPT_B,
     Router,
     Server,
+    assert_matches,
     body,
+    deferred_releases,
     direct,
+    ended_in_error,
     free_port,
     post,
-    tokens_and_logprobs,
     wait_healthy,
 )
 
-LOGPROB_TOLERANCE = 1e-4
 MAKE_MODEL = HERE.parent / "tests_vllm" / "make_model.py"
 
 
@@ -115,19 +115,6 @@ def mixed(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iter
             s.close()
 
 
-def _ended_in_error(r: requests.Response) -> bool:
-    if r.status_code != 200:
-        return True
-    finish = r.json().get("meta_info", {}).get("finish_reason") or {}
-    return finish.get("type") == "abort"
-
-
-def assert_matches(reply: dict, ref: dict) -> None:
-    ids, lps = tokens_and_logprobs(reply)
-    assert ids == ref["output_ids"]
-    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
-
-
 def test_through_the_router_the_outputs_equal_a_plain_run(mixed: Mixed, reference: dict) -> None:
     kvxfer_side = mixed.prefill if mixed.stock == "decode" else mixed.decode
     says = {"decode": "stock SGLang nixl decodes on ZMQ port", "prefill": "stock SGLang nixl"}
@@ -158,7 +145,7 @@ def test_a_stock_decode_of_another_kv_layout_is_refused_naming_the_factor(
     start = time.monotonic()
     r = post(mixed.other.url, body(PROMPT_A, random.getrandbits(63), mixed.prefill.bootstrap_port))
     took = time.monotonic() - start
-    assert _ended_in_error(r), r.text
+    assert ended_in_error(r), r.text
     assert took < 30, f"failed after {took:.1f} s"
     log = mixed.prefill.log_text()
     refusal = re.search(r"refused a stock SGLang decode's message: (.*)", log)
@@ -179,19 +166,6 @@ def test_the_decode_continues_from_the_kv_the_prefill_wrote(mixed: Mixed, refere
     assert d.json()["output_ids"] == reference[tuple(PROMPT_A)]["output_ids"]
 
 
-def _releases(decode_url: str) -> dict[str, float]:
-    """SGLang's count of the decode's deferred page releases, by outcome."""
-    text = requests.get(f"{decode_url}/metrics", timeout=5).text
-    found: dict[str, float] = {}
-    for m in re.finditer(
-        r'^sglang:decode_deferred_kv_release_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
-        text,
-        re.M,
-    ):
-        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
-    return found
-
-
 def test_an_aborted_decode_request_is_acknowledged_and_its_pages_come_back_drained(
     mixed: Mixed, reference: dict
 ) -> None:
@@ -199,7 +173,7 @@ def test_an_aborted_decode_request_is_acknowledged_and_its_pages_come_back_drain
     pages until the prefill rank says none of its WRITEs can land (``ABORT_ACK``, sent once
     it released them): the pages come back drained within seconds, not at SGLang's 30 s
     timeout. The decode keeps serving."""
-    before = _releases(mixed.decode.url)
+    before = deferred_releases(mixed.decode.url)
     room, rid = random.getrandbits(63), f"abort-{random.getrandbits(32)}"
     boot = mixed.prefill.bootstrap_port
     reply: dict[str, requests.Response] = {}
@@ -215,12 +189,12 @@ def test_an_aborted_decode_request_is_acknowledged_and_its_pages_come_back_drain
     requests.post(f"{mixed.decode.url}/abort_request", json={"rid": rid}, timeout=10)
     t.join(timeout=60)
     assert not t.is_alive(), "the aborted request never ended"
-    while _releases(mixed.decode.url).get("drained", 0) <= before.get("drained", 0):
+    while deferred_releases(mixed.decode.url).get("drained", 0) <= before.get("drained", 0):
         assert time.monotonic() - aborted < 20, (
-            f"the pages were not released drained: {_releases(mixed.decode.url)}"
+            f"the pages were not released drained: {deferred_releases(mixed.decode.url)}"
         )
         time.sleep(0.2)
-    assert _releases(mixed.decode.url).get("timeout", 0) == before.get("timeout", 0)
+    assert deferred_releases(mixed.decode.url).get("timeout", 0) == before.get("timeout", 0)
     p, d = direct(mixed.prefill, mixed.decode, PROMPT_B, PROMPT_B, random.getrandbits(63))
     assert d.status_code == 200, d.text
     assert_matches(d.json(), reference[tuple(PROMPT_B)])
@@ -252,7 +226,7 @@ def test_a_killed_stock_prefill_fails_the_waiting_request_and_a_restarted_one_se
     t.join(timeout=120)
     assert not t.is_alive(), "the decode's request never ended"
     took = reply["t"] - killed
-    assert _ended_in_error(reply["d"]), reply["d"].text
+    assert ended_in_error(reply["d"]), reply["d"].text
     assert took < 30, f"failed after {took:.1f} s"
     assert "missed 2 heartbeats" in mixed.decode.log_text()
     mixed.prefill.close()

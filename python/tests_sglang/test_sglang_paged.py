@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import HEARTBEAT, PROMPTS, STARTUP, _usable_or_skip
 from harness import (
@@ -21,15 +20,13 @@ from harness import (
     PROMPT_B,
     Router,
     Server,
+    assert_matches,
     body,
     direct,
     free_port,
     post,
-    tokens_and_logprobs,
     wait_healthy,
 )
-
-LOGPROB_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -75,12 +72,6 @@ def paged(request: pytest.FixtureRequest, logdir: Path, reference: dict) -> Iter
     finally:
         for s in reversed(servers):
             s.close()
-
-
-def assert_matches(reply: dict, ref: dict) -> None:
-    ids, lps = tokens_and_logprobs(reply)
-    assert ids == ref["output_ids"]
-    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
 
 
 def test_the_decode_continues_from_the_pages_the_prefill_wrote(

@@ -20,12 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import HEARTBEAT, PROMPTS, STARTUP, Pair, _usable_or_skip
-from harness import PROMPT_A, PROMPT_B, Server, direct, free_port, tokens_and_logprobs, wait_healthy
+from harness import (
+    PROMPT_A,
+    PROMPT_B,
+    Server,
+    assert_matches,
+    direct,
+    free_port,
+    wait_healthy,
+)
 
-LOGPROB_TOLERANCE = 1e-4
 TP2 = {
     "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
     "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
@@ -69,12 +75,6 @@ def tp2(logdir: Path, reference: dict) -> Iterator[Tp2]:
     finally:
         decode.close()
         prefill.close()
-
-
-def assert_matches(reply: dict, ref: dict) -> None:
-    ids, lps = tokens_and_logprobs(reply)
-    assert ids == ref["output_ids"]
-    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
 
 
 def _pairs_as_a_plain_run(prefill: Server, decode: Server, reference: dict) -> None:

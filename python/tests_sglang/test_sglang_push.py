@@ -15,21 +15,23 @@ import numpy as np
 import pytest
 import requests
 from conftest import CLUSTER, ENGINE_ID, PROMPTS, Pair
-from harness import PROMPT_A, PROMPT_B, body, direct, post, tokens_and_logprobs, wait_healthy
+from harness import (
+    PROMPT_A,
+    PROMPT_B,
+    assert_matches,
+    body,
+    deferred_releases,
+    direct,
+    ended_in_error,
+    post,
+    wait_healthy,
+)
 
 import kvxfer
-
-LOGPROB_TOLERANCE = 1e-4
 
 
 def room() -> int:
     return random.getrandbits(63)
-
-
-def assert_matches(reply: dict, ref: dict) -> None:
-    ids, lps = tokens_and_logprobs(reply)
-    assert ids == ref["output_ids"]
-    assert np.allclose(lps, ref["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0), (lps, ref["logprobs"])
 
 
 def test_the_decode_through_the_router_equals_a_plain_run(pair: Pair, reference: dict) -> None:
@@ -78,13 +80,6 @@ def test_with_discovery_the_prefill_is_found_through_etcd(pair: Pair, reference:
     reply = post(pair.router.url, body(PROMPT_B))
     assert reply.status_code == 200, reply.text
     assert_matches(reply.json(), reference[tuple(PROMPT_B)])
-
-
-def _ended_in_error(r: requests.Response) -> bool:
-    if r.status_code != 200:
-        return True
-    finish = r.json().get("meta_info", {}).get("finish_reason") or {}
-    return finish.get("type") == "abort"
 
 
 class _OwnDecode(NamedTuple):
@@ -145,7 +140,7 @@ def test_a_destination_with_out_of_range_pages_is_refused_and_nothing_is_written
         time.sleep(0.01)
     t.join(timeout=120)
     assert not t.is_alive(), "the prefill request never ended"
-    assert _ended_in_error(reply["p"]), reply["p"].text
+    assert ended_in_error(reply["p"]), reply["p"].text
     assert "out of range" in pair.prefill.log_text()
     assert not any(a.any() for a in kv + aux), "a byte was written"
     decode.shutdown()
@@ -186,7 +181,7 @@ def test_content_digests_pass_as_written_and_catch_a_byte_changed_after_it_lande
         t.start()
         t.join(timeout=120)
         assert not t.is_alive(), "the prefill request never ended"
-        assert reply["p"].status_code == 200 and not _ended_in_error(reply["p"]), reply["p"].text
+        assert reply["p"].status_code == 200 and not ended_in_error(reply["p"]), reply["p"].text
         assert own.kv[0].any(), "the prefill wrote"
         if corrupt:
             own.kv[0][0] ^= 1
@@ -210,20 +205,6 @@ def test_content_digests_pass_as_written_and_catch_a_byte_changed_after_it_lande
         assert "content digests checked" in pair.decode.log_text(), "the pair's decode checks"
 
 
-def _deferred_releases(decode_url: str) -> dict[str, float]:
-    """SGLang's count of the decode's deferred page releases, by outcome (``drained``: every
-    writer acknowledged; ``timeout``: released without)."""
-    text = requests.get(f"{decode_url}/metrics", timeout=5).text
-    found: dict[str, float] = {}
-    for m in re.finditer(
-        r'^sglang:decode_deferred_kv_release_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
-        text,
-        re.M,
-    ):
-        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
-    return found
-
-
 def test_an_aborted_decode_request_holds_its_pages_until_the_prefill_acknowledged(
     pair: Pair, reference: dict
 ) -> None:
@@ -233,7 +214,7 @@ def test_an_aborted_decode_request_holds_its_pages_until_the_prefill_acknowledge
     releases its WRITEs and acknowledges without its engine polling it, so the pages come
     back drained within seconds, not at SGLang's 30 s timeout. A prefill request for that
     room afterwards writes nothing and fails; the decode keeps serving."""
-    before = _deferred_releases(pair.decode.url)
+    before = deferred_releases(pair.decode.url)
     r, rid = room(), f"abort-{room()}"
     boot = pair.prefill.bootstrap_port
     reply: dict[str, requests.Response] = {}
@@ -249,17 +230,17 @@ def test_an_aborted_decode_request_holds_its_pages_until_the_prefill_acknowledge
     requests.post(f"{pair.decode.url}/abort_request", json={"rid": rid}, timeout=10)
     t.join(timeout=60)
     assert not t.is_alive(), "the aborted request never ended"
-    assert _ended_in_error(reply["d"]), reply["d"].text
-    while _deferred_releases(pair.decode.url).get("drained", 0) <= before.get("drained", 0):
+    assert ended_in_error(reply["d"]), reply["d"].text
+    while deferred_releases(pair.decode.url).get("drained", 0) <= before.get("drained", 0):
         assert time.monotonic() - aborted < 20, (
-            f"the pages were not released drained: {_deferred_releases(pair.decode.url)}"
+            f"the pages were not released drained: {deferred_releases(pair.decode.url)}"
         )
         time.sleep(0.2)
     took = time.monotonic() - aborted
-    assert _deferred_releases(pair.decode.url).get("timeout", 0) == before.get("timeout", 0)
+    assert deferred_releases(pair.decode.url).get("timeout", 0) == before.get("timeout", 0)
     print(f"{pair.transport}: the aborted room's pages came back drained {took:.1f} s later")
     late = post(pair.prefill.url, body(PROMPT_A, r, boot))
-    assert _ended_in_error(late), late.text
+    assert ended_in_error(late), late.text
     p, d = direct(pair.prefill, pair.decode, PROMPT_B, PROMPT_B, room())
     assert d.status_code == 200, d.text
     assert_matches(d.json(), reference[tuple(PROMPT_B)])
@@ -288,7 +269,7 @@ def test_a_killed_prefill_fails_the_waiting_request_and_the_decode_keeps_serving
     t.join(timeout=120)
     assert not t.is_alive(), "the decode's request never ended"
     took = reply["t"] - killed
-    assert _ended_in_error(reply["d"]), reply["d"].text
+    assert ended_in_error(reply["d"]), reply["d"].text
     # Two missed heartbeats 2 s apart, each probe bounded by 2 s: well under 30 s.
     assert took < 30, f"failed after {took:.1f} s"
     if pair.etcd is not None:
