@@ -42,9 +42,20 @@ pub fn etcd_binary() -> Result<PathBuf, String> {
         })
 }
 
+/// A free port below Linux's ephemeral range (32768 and up), never handed out twice in this
+/// process: one the kernel picked (port 0) may be taken by an outgoing connection between
+/// its check and etcd's bind, and a restart reuses the same port.
 fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
-    l.local_addr().expect("its address").port()
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // Each process starts at its own offset, so parallel test binaries rarely meet.
+    let offset = (std::process::id() % 600) * 20;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(20_000 + (offset + n) % 12_000).expect("below 32768");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 impl EtcdServer {
