@@ -6,15 +6,11 @@
 #![warn(missing_docs)]
 
 pub mod clock;
-pub mod copy_pool;
 pub mod digest;
-pub mod host_copy;
-pub mod host_mem;
 pub mod options;
 pub mod plan;
 pub mod pull;
 pub mod push;
-pub mod shm;
 pub mod sidechannel;
 mod tally;
 pub mod transport;

@@ -3,7 +3,7 @@
 //! the kernel per block. Python sees it as a byte array (`numpy.asarray(mem)`, and from
 //! there `torch.from_numpy`), whose base keeps the memory alive.
 
-use kvxfer_core::shm::SharedHostMem;
+use kvxfer_host_mem::shm::SharedHostMem;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

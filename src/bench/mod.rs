@@ -37,7 +37,7 @@ pub enum Mode {
 pub enum Memory {
     /// Host memory.
     Host,
-    /// Host memory in kvxfer shared memory (`kvxfer_core::shm::SharedHostMem`): a same-host
+    /// Host memory in kvxfer shared memory (`kvxfer_host_mem::shm::SharedHostMem`): a same-host
     /// UCX peer maps it and its transfers are host copies.
     SharedHost,
     /// GPU memory.
@@ -120,7 +120,7 @@ pub enum BenchError {
     Verification(String),
     /// The caches do not fit in this machine's memory.
     #[error("KV cache: {0}")]
-    Memory(#[from] kvxfer_core::host_mem::HostMemError),
+    Memory(#[from] kvxfer_host_mem::mem::HostMemError),
 }
 
 /// Runs the bench. `progress(done, total)` is called as requests finish.

@@ -3,9 +3,9 @@
 use std::ops::{Deref, DerefMut};
 
 use kvxfer_core::MemoryKind;
-use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::pull::KvCache;
-use kvxfer_core::shm::SharedHostMem;
+use kvxfer_host_mem::mem::HostMem;
+use kvxfer_host_mem::shm::SharedHostMem;
 use kvxfer_layout::CacheSpec;
 
 use super::{BenchError, Memory};

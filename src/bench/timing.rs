@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer_core::host_copy::{self, Method};
+use kvxfer_host_mem::copy::{self as host_copy, Method};
 
 use super::blocks::xorshift;
 use super::{BenchConfig, BenchReport};
@@ -17,7 +17,7 @@ pub(crate) const POLL_PAUSE: Duration = Duration::from_micros(50);
 /// Single-thread memcpy of `bytes` bytes from `src` in pieces of `piece` bytes (wrapping
 /// around the source and a 256 MiB destination): the baseline every ratio is taken against.
 pub(crate) fn memcpy_baseline(src: &[u8], bytes: u64, piece: usize) -> Duration {
-    let mut scratch = kvxfer_core::host_mem::HostMem::new(src.len().min(256 << 20), 1);
+    let mut scratch = kvxfer_host_mem::mem::HostMem::new(src.len().min(256 << 20), 1);
     let t = Instant::now();
     let mut copied = 0u64;
     let (mut s_at, mut d_at) = (0usize, 0usize);
@@ -84,7 +84,7 @@ pub(crate) fn ceiling_baseline(src: &[u8], bytes: u64, piece: usize, requests: u
         .saturating_mul(4)
         .max(256 << 20);
     let scratch_len = src.len().min(room).max(threads);
-    let Ok(mut scratch) = kvxfer_core::host_mem::HostMem::try_new(scratch_len, 1) else {
+    let Ok(mut scratch) = kvxfer_host_mem::mem::HostMem::try_new(scratch_len, 1) else {
         // Not enough memory left for the measurement: no figure, and the ratio shows 0.
         return ceiling;
     };

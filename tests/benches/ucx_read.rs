@@ -24,9 +24,9 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvxfer_core::host_copy::{self, Method};
-use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
+use kvxfer_host_mem::copy::{self as host_copy, Method};
+use kvxfer_host_mem::mem::HostMem;
 use kvxfer_tests::memory::{Rng, fill};
 use kvxfer_tests::remote::RemoteAgent;
 use kvxfer_transport_ucx::{UcxConfig, UcxTransport};
@@ -231,7 +231,7 @@ enum Copier {
 }
 
 /// Copies `src` to `dst` (equal lengths) with the streaming stores the loopback uses where
-/// the CPU has them (`kvxfer_core::host_copy`).
+/// the CPU has them (`kvxfer_host_mem::copy`).
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len());
     let method = if host_copy::streaming_supported() {

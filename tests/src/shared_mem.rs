@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use kvxfer_core::shm::SharedHostMem;
+use kvxfer_host_mem::shm::SharedHostMem;
 
 /// A mapping another process can attach: `/proc/<pid>/fd/<fd>` mapped at `base`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub fn mapping_of(addr: u64, len: u64) -> Option<SharedMapping> {
 }
 
 /// A shared, zero-filled, page-granular memory block, unmapped on drop. It is kvxfer shared
-/// memory ([`kvxfer_core::shm`]): transports that copy between same-host peers' shared
+/// memory ([`kvxfer_host_mem::shm`]): transports that copy between same-host peers' shared
 /// memory do so for every test buffer.
 pub struct SharedMem {
     mem: SharedHostMem,

@@ -45,7 +45,7 @@ fn ucx_meta() -> AgentMeta {
             kind: kvxfer_core::MemoryKind::Host,
             range: kvxfer_core::AddrRange::new(0x7f00_0000_0000, 1 << 20),
             rkey: vec![2; 30],
-            shared: Some(kvxfer_core::shm::Export {
+            shared: Some(kvxfer_host_mem::shm::Export {
                 pid: 4242,
                 fd: 9,
                 token: [6; 16],

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use kvxfer_core::host_mem::HostMem;
 use kvxfer_core::{AddrRange, MemoryKind, Op, Transport, XferStatus};
+use kvxfer_host_mem::mem::HostMem;
 use kvxfer_tests::conformance::{TransportFactory, connect, wait, wait_notifications_while};
 use kvxfer_tests::memory::{Buffer, Copy, Rng, fill, verify};
 use kvxfer_tests::remote::RemoteAgent;

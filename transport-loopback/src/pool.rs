@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use kvxfer_core::copy_pool::{self, CopyPool as Workers};
-use kvxfer_core::host_copy as copy;
+use kvxfer_host_mem::copy;
+use kvxfer_host_mem::copy_pool::{self, CopyPool as Workers};
 
 use crate::xfer::XferState;
 
-pub use kvxfer_core::copy_pool::{Split, split};
+pub use kvxfer_host_mem::copy_pool::{Split, split};
 
 /// A slice of a transfer's pairs for one worker.
 pub struct Job {

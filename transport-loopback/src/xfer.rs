@@ -13,7 +13,7 @@ const DONE: u8 = 1;
 const FAILED: u8 = 2;
 
 /// One host copy, both sides inside pinned regions.
-pub use kvxfer_core::copy_pool::CopyPair;
+pub use kvxfer_host_mem::copy_pool::CopyPair;
 
 /// Where the notification goes once the data is visible.
 #[derive(Debug)]

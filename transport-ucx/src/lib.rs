@@ -96,7 +96,7 @@ pub struct UcxConfig {
     /// or closing endpoints; past it, the endpoint is closed by force.
     pub release_wait: Duration,
     /// Advertise host memory that lies in kvxfer shared memory
-    /// ([`kvxfer_core::shm::SharedHostMem`]) and map same-host peers' such memory, so
+    /// ([`kvxfer_host_mem::shm::SharedHostMem`]) and map same-host peers' such memory, so
     /// transfers between them are host copies instead of UCX requests. On by default;
     /// `KVXFER_UCX_SHARED_MEMORY=0` turns it off.
     pub shared_memory: bool,

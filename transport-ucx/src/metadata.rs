@@ -2,15 +2,15 @@
 //! registered region its kind, range and packed remote key. Decoding is bounded and never
 //! panics: it is fed bytes from the network.
 //!
-//! An agent with regions in kvxfer shared memory ([`kvxfer_core::shm`]) appends a section
+//! An agent with regions in kvxfer shared memory ([`kvxfer_host_mem::shm`]) appends a section
 //! after the regions: `SHM1`, the machine's boot id, and per such region its index and
 //! [`Export`]. Agents without it encode exactly what earlier versions did (which refuse the
 //! section: upgrade the reading side first).
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_core::shm::{Export, Token};
 use kvxfer_core::{AddrRange, MemoryKind};
+use kvxfer_host_mem::shm::{Export, Token};
 
 const MAGIC: &[u8; 4] = b"KVXU";
 const SHARED_MAGIC: &[u8; 4] = b"SHM1";

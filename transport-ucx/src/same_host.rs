@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kvxfer_core::copy_pool::{self, CopyPair, CopyPool};
-use kvxfer_core::shm::{Owner, PeerFile};
 use kvxfer_core::{AddrRange, MemoryKind, Op};
+use kvxfer_host_mem::copy_pool::{self, CopyPair, CopyPool};
+use kvxfer_host_mem::shm::{Owner, PeerFile};
 
 use crate::metadata::AgentMeta;
 
@@ -61,7 +61,7 @@ impl PeerMaps {
             at: vec![None; meta.regions.len()],
             ..PeerMaps::default()
         };
-        let here = kvxfer_core::shm::host_id();
+        let here = kvxfer_host_mem::shm::host_id();
         let Some(pid) = meta.regions.iter().find_map(|r| r.shared.map(|e| e.pid)) else {
             return Ok(maps);
         };
@@ -93,7 +93,7 @@ impl PeerMaps {
         };
         let mut files: Vec<PeerFile> = Vec::new();
         // The mapping of each token mapped so far.
-        let mut index: HashMap<kvxfer_core::shm::Token, usize> = HashMap::new();
+        let mut index: HashMap<kvxfer_host_mem::shm::Token, usize> = HashMap::new();
         for (i, r) in meta.regions.iter().enumerate() {
             let Some(e) = r.shared else { continue };
             let k = match index.get(&e.token) {
@@ -234,7 +234,7 @@ impl Copies {
         }
     }
 
-    fn run(&self, start: usize, end: usize, method: kvxfer_core::host_copy::Method) {
+    fn run(&self, start: usize, end: usize, method: kvxfer_host_mem::copy::Method) {
         // SAFETY: local ranges lie in our registrations, which cannot be unmapped while the
         // transfer is busy (deregistration and release wait for `running`); remote ranges lie
         // in `_files`, mapped in full and sealed against shrinking, alive as long as `self`.

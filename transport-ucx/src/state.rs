@@ -30,7 +30,7 @@ pub struct LocalRegion {
     pub memh: sys::ucp_mem_h,
     pub rkey: Vec<u8>,
     /// Where a same-host peer can map it, when it lies in kvxfer shared memory.
-    pub shared: Option<kvxfer_core::shm::Export>,
+    pub shared: Option<kvxfer_host_mem::shm::Export>,
 }
 
 /// Error state of an endpoint, written by UCX's error callback.

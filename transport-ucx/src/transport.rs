@@ -518,7 +518,7 @@ impl Transport for UcxTransport {
         };
         let shared = match kind {
             MemoryKind::Host if st.config.shared_memory => {
-                kvxfer_core::shm::export_of(range.addr, range.len)
+                kvxfer_host_mem::shm::export_of(range.addr, range.len)
             }
             _ => None,
         };
@@ -552,7 +552,7 @@ impl Transport for UcxTransport {
                     shared: r.shared,
                 })
                 .collect(),
-            host: kvxfer_core::shm::host_id(),
+            host: kvxfer_host_mem::shm::host_id(),
         };
         Ok(meta.encode())
     }

@@ -19,10 +19,10 @@ use crossbeam_channel::{Receiver, TryRecvError, bounded};
 use kvxfer_layout::{CacheSpec, LayerGroups};
 use xxhash_rust::xxh3::Xxh3Default;
 
-use crate::copy_pool::CopyPool;
 use crate::digest;
 use crate::pull::KvCache;
 use crate::transport::MemoryKind;
+use kvxfer_host_mem::copy_pool::CopyPool;
 
 /// Most threads digesting for one rank.
 const MAX_THREADS: usize = 4;

@@ -131,7 +131,7 @@ impl RemoteAgent {
     }
 
     /// Like [`RemoteAgent::alloc_filled`], in kvxfer shared memory
-    /// ([`kvxfer_core::shm::SharedHostMem`]), which a same-host peer's transport may map.
+    /// ([`kvxfer_host_mem::shm::SharedHostMem`]), which a same-host peer's transport may map.
     pub fn alloc_shared_filled(&self, len: u64, seed: u64) -> TransportResult<u64> {
         self.id(&Request::AllocFilled {
             len,

@@ -32,9 +32,9 @@ pub fn serve<T: Transport>(mut t: T) {
         let reply = match req {
             Request::AllocFilled { len, seed, shared } => {
                 let mut m = if shared {
-                    Own::Shared(kvxfer_core::shm::SharedHostMem::new(len as usize, 1))
+                    Own::Shared(kvxfer_host_mem::shm::SharedHostMem::new(len as usize, 1))
                 } else {
-                    Own::Private(kvxfer_core::host_mem::HostMem::new(len as usize, 1))
+                    Own::Private(kvxfer_host_mem::mem::HostMem::new(len as usize, 1))
                 };
                 crate::memory::fill(m.bytes(), Some(seed));
                 let addr = m.bytes().as_ptr() as u64;
@@ -75,8 +75,8 @@ pub fn serve<T: Transport>(mut t: T) {
 
 /// Memory the helper allocated itself.
 enum Own {
-    Private(kvxfer_core::host_mem::HostMem),
-    Shared(kvxfer_core::shm::SharedHostMem),
+    Private(kvxfer_host_mem::mem::HostMem),
+    Shared(kvxfer_host_mem::shm::SharedHostMem),
 }
 
 impl Own {

@@ -14,13 +14,13 @@ use kvxfer_layout::{CacheSpec, HeadSlice};
 use std::collections::HashMap;
 
 use super::{Engine, Load, PullError, PullWorker, RemoteRank, Verify};
-use crate::copy_pool::{CopyPool, Job};
 use crate::pull::config::KvCache;
 use crate::pull::digests::{DigestScratch, DigestTable};
 use crate::pull::scheduler::GroupPairs;
 use crate::tally::Tally;
 use crate::transport::AddrRange;
 use crate::transport::{MemoryKind, Op, Transport};
+use kvxfer_host_mem::copy_pool::{CopyPool, Job};
 
 /// A load whose blocks the digest threads check: parts still running, and the first
 /// mismatch any part found.

@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 
-use crate::host_copy as copy;
+use crate::copy;
 
 /// Jobs per worker a large transfer is cut into: small enough that the last job of a
 /// transfer does not leave the other workers idle for long, large enough that queueing costs

@@ -13,7 +13,7 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 
-use crate::host_mem::HostMemError;
+use crate::mem::HostMemError;
 
 /// Random bytes naming one allocation (in its memfd's name).
 pub type Token = [u8; 16];
@@ -91,7 +91,7 @@ impl SharedHostMem {
     }
 
     /// `len` bytes (at least one), each set to `byte` (so every page is there up front, as in
-    /// [`crate::host_mem::HostMem`]), or why not.
+    /// [`crate::mem::HostMem`]), or why not.
     pub fn try_new(len: usize, byte: u8) -> Result<SharedHostMem, HostMemError> {
         Self::try_new_near(len, byte, None)
     }
@@ -103,7 +103,7 @@ impl SharedHostMem {
         byte: u8,
         at: Option<u64>,
     ) -> Result<SharedHostMem, HostMemError> {
-        if let Some(available) = crate::host_mem::mem_available()
+        if let Some(available) = crate::mem::mem_available()
             && len as u64 > available
         {
             return Err(HostMemError::TooLarge {
