@@ -6,9 +6,9 @@
 #![warn(missing_docs)]
 
 pub mod clock;
+pub mod connector;
 pub mod digest;
 pub mod options;
-pub mod plan;
 pub mod pull;
 pub mod push;
 pub mod sidechannel;

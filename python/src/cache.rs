@@ -2,7 +2,7 @@
 //! per region and where the memory lives, checked before any transport sees it.
 
 use kvxfer_core::MemoryKind;
-use kvxfer_core::pull::KvCache;
+use kvxfer_core::connector::KvCache;
 use kvxfer_layout::{CacheParams, CacheSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

@@ -3,7 +3,7 @@
 use std::ops::{Deref, DerefMut};
 
 use kvxfer_core::MemoryKind;
-use kvxfer_core::pull::KvCache;
+use kvxfer_core::connector::KvCache;
 use kvxfer_host_mem::mem::HostMem;
 use kvxfer_host_mem::shm::SharedHostMem;
 use kvxfer_layout::CacheSpec;

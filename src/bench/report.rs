@@ -91,7 +91,7 @@ pub struct BenchReport {
 
 impl BenchReport {
     /// Takes the library's own measurements of the measured requests.
-    pub(super) fn library(&mut self, t: &kvxfer_core::pull::BackendTelemetry) {
+    pub(super) fn library(&mut self, t: &kvxfer_core::connector::BackendTelemetry) {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         self.library_reports = t.transfers;
         self.library_post_ms_per_request = ms(t.post_time) / f64::from(self.requests.max(1));

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::MemoryKind;
 use kvxfer_core::clock::SystemClock;
-use kvxfer_core::pull::{KvCache, PullConfig, PullScheduler, PullWorker};
+use kvxfer_core::connector::KvCache;
+use kvxfer_core::pull::{PullConfig, PullScheduler, PullWorker};
 use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, CacheSpec, Dtype};
 use kvxfer_tests::memory::Rng;
 use kvxfer_transport_loopback::LoopbackTransport;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::clock::Clock;
-use kvxfer_core::pull::{Finished, KvCache, PullConfig, PullScheduler, PullWorker, StepMeta};
+use kvxfer_core::connector::KvCache;
+use kvxfer_core::pull::{Finished, PullConfig, PullScheduler, PullWorker, StepMeta};
 use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_core::{MemoryKind, Transport};
 

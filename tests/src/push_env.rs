@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::clock::Clock;
-use kvxfer_core::pull::KvCache;
+use kvxfer_core::connector::KvCache;
 use kvxfer_core::push::messages::BufferWire;
 use kvxfer_core::push::{
     BootstrapRegistry, PrefillDirectory, PushBuffers, PushDecode, PushDecodeConfig, PushPrefill,

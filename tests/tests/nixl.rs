@@ -214,7 +214,8 @@ fn vllm_peer(model: &str) -> kvxfer_core::pull::VllmCompat {
 #[test]
 fn a_hybrid_cache_pairs_over_the_vllm_handshake() {
     run("vllm-hybrid", |f| {
-        use kvxfer_core::pull::{KvCache, PullConfig};
+        use kvxfer_core::connector::KvCache;
+        use kvxfer_core::pull::PullConfig;
         use kvxfer_tests::pull_env::{Model, RankCache, engine_tuned_with};
         use kvxfer_tests::scenarios::pull::{loaded_handoff_with, mk};
 

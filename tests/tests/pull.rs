@@ -742,7 +742,8 @@ fn an_idle_wait_ends_with_the_first_finished_load() {
 /// one registration, so coalesced descriptors across them stay inside it; a gap splits them.
 #[test]
 fn adjacent_regions_register_as_one_span_and_a_gap_splits_them() {
-    use kvxfer_core::pull::{KvCache, PullWorker};
+    use kvxfer_core::connector::KvCache;
+    use kvxfer_core::pull::PullWorker;
     let model = Model::small(BlockOrder::Hnd, 4);
     let spec = model.spec(4);
     let len = spec.region_len();

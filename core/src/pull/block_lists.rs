@@ -21,7 +21,7 @@ use kvxfer_layout::{
     BlockPairs, CacheSide, HeadSlice, PlanOptions, TransferPlan, plan_transfer_into,
 };
 
-use crate::plan::split_for;
+use crate::connector::plan::split_for;
 use crate::transport::{AddrRange, DescListId, MemoryKind, Op, PeerId, Transport};
 
 /// Most descriptors the two lists of one prefill rank may hold together; bigger caches keep

@@ -18,7 +18,7 @@ pub mod stamps;
 mod worker;
 
 pub use aggregate::{FinishedAggregator, LocalAggregator};
-pub use config::{FailurePolicy, KvCache, PullConfig, VllmCompat};
-pub use metrics::{BackendTelemetry, PullMetrics};
+pub use config::{FailurePolicy, PullConfig, VllmCompat};
+pub use metrics::PullMetrics;
 pub use scheduler::{FinishDecision, Hold, PullScheduler, RecvRequest, StepMeta};
 pub use worker::{FailedLoad, Finished, IDLE_POLL, LoadRefused, PullError, PullWorker};

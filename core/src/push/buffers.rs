@@ -3,7 +3,7 @@
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use super::messages::BufferWire;
-use crate::pull::KvCache;
+use crate::connector::KvCache;
 use crate::transport::{AddrRange, MemoryKind, Registration, Transport, TransportResult};
 
 /// Kind of per-request state besides the KV cache.

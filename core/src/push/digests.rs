@@ -19,8 +19,8 @@ use crossbeam_channel::{Receiver, TryRecvError, bounded};
 use kvxfer_layout::{CacheSpec, LayerGroups};
 use xxhash_rust::xxh3::Xxh3Default;
 
+use crate::connector::KvCache;
 use crate::digest;
-use crate::pull::KvCache;
 use crate::transport::MemoryKind;
 use kvxfer_host_mem::copy_pool::CopyPool;
 

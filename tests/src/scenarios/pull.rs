@@ -602,7 +602,7 @@ pub fn per_layer_windows_move_only_the_last_blocks<F: TransportFactory>(f: &F) {
     let mut dec = engine("win-D", &model, 1, false, c, &mk(f), &no_tune);
     // Rebuild decode worker 0 with layer 0 windowed to 1 block.
     let cache = &dec.caches[0];
-    let kv = kvxfer_core::pull::KvCache {
+    let kv = kvxfer_core::connector::KvCache {
         spec: cache.spec,
         bases: cache.bases(),
         memory: kvxfer_core::MemoryKind::Host,
@@ -696,7 +696,7 @@ pub fn fragmented_requests_post_by_index<F: TransportFactory>(f: &F) {
 pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
     let model = Model::small(BlockOrder::Hnd, 4);
     let groups = || kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).unwrap();
-    let grouped = |c: &crate::pull_env::RankCache| kvxfer_core::pull::KvCache {
+    let grouped = |c: &crate::pull_env::RankCache| kvxfer_core::connector::KvCache {
         groups: Some(groups()),
         ..model.kv_cache(c)
     };
@@ -773,7 +773,7 @@ pub fn hybrid_groups_move_each_groups_blocks<F: TransportFactory>(f: &F) {
 /// refused naming both partitions, and so is a decode of another TP size.
 pub fn state_beside_attention_moves_whole_pages<F: TransportFactory>(f: &F) {
     use crate::pull_env::{RankCache, engine_tp_with, engine_with};
-    use kvxfer_core::pull::KvCache;
+    use kvxfer_core::connector::KvCache;
     let model = Model {
         kind: kvxfer_layout::CacheKind::PackedKv,
         ..Model::small(BlockOrder::Hnd, 2)
@@ -976,7 +976,7 @@ pub fn a_prefill_with_another_block_size_is_read_by_token_ranges<F: TransportFac
         plain.caches[0].verify(&[]).expect("nothing written");
         // A decode with KV cache groups: token ranges cover one block table, so the
         // handshake refuses the other block size by name.
-        let grouped = |c: &RankCache| kvxfer_core::pull::KvCache {
+        let grouped = |c: &RankCache| kvxfer_core::connector::KvCache {
             groups: Some(kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).unwrap()),
             ..dm.kv_cache(c)
         };

@@ -730,7 +730,7 @@ pub fn an_aborted_room_drains_only_after_its_writes_stopped<F: TransportFactory>
 /// decode whose groups differ from the prefill's is refused naming both; a room whose
 /// counts do not add up to its pages fails naming them.
 pub fn hybrid_groups_write_each_groups_pages<F: TransportFactory>(f: &F) {
-    use kvxfer_core::pull::KvCache;
+    use kvxfer_core::connector::KvCache;
     fn grouped(kv: &mut KvCache) {
         kv.groups =
             Some(kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2).expect("groups"));
@@ -819,7 +819,7 @@ pub fn hybrid_groups_write_each_groups_pages<F: TransportFactory>(f: &F) {
 /// group's: the state page moves whole, the attention blocks as KV, nothing else is written.
 /// A decode of another TP size is refused naming both sizes.
 pub fn state_group_beside_attention_writes_whole_pages<F: TransportFactory>(f: &F) {
-    use kvxfer_core::pull::KvCache;
+    use kvxfer_core::connector::KvCache;
     fn marked(kv: &mut KvCache) {
         kv.groups = Some(
             kvxfer_layout::LayerGroups::new(vec![vec![0], vec![1]], 2)

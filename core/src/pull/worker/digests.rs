@@ -14,7 +14,7 @@ use kvxfer_layout::{CacheSpec, HeadSlice};
 use std::collections::HashMap;
 
 use super::{Engine, Load, PullError, PullWorker, RemoteRank, Verify};
-use crate::pull::config::KvCache;
+use crate::connector::KvCache;
 use crate::pull::digests::{DigestScratch, DigestTable};
 use crate::pull::scheduler::GroupPairs;
 use crate::tally::Tally;

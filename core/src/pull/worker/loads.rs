@@ -5,13 +5,13 @@
 
 use kvxfer_layout::{
     BlockPairs, CacheSide, HeadSlice, LinkKind, PlanOptions, TokenPairs, TransferPlan,
-    plan_token_transfer_into, plan_transfer_into,
+    plan_token_transfer_into,
 };
 
 use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank, Verify};
-use crate::plan::append_for;
+use crate::connector::KvCache;
+use crate::connector::plan::{Grouped, Planned, Planner, Ranges};
 use crate::pull::block_lists;
-use crate::pull::config::KvCache;
 use crate::pull::notify;
 use crate::pull::scheduler::{GroupPairs, RecvRequest};
 use crate::tally::Tally;
@@ -181,7 +181,7 @@ impl<T: Transport> PullWorker<T> {
                 }
                 (LinkKind::Data(slice), None) if !pairs.is_empty() || (resized && moves) => {
                     let planning = self.clock.now();
-                    let (bytes, raw) = if resized {
+                    let planned = if resized {
                         plan_resized_read(
                             rank,
                             &self.cache,
@@ -225,8 +225,8 @@ impl<T: Transport> PullWorker<T> {
                         });
                     }
                     self.metrics.transfers.tally(1);
-                    self.metrics.bytes.tally(bytes);
-                    self.metrics.descriptors_raw.tally(raw);
+                    self.metrics.bytes.tally(planned.bytes);
+                    self.metrics.descriptors_raw.tally(planned.raw);
                     self.metrics
                         .descriptors_posted
                         .tally(self.ranges.0.len() as u64);
@@ -665,22 +665,6 @@ impl<T: Transport> PullWorker<T> {
     }
 }
 
-/// The slice of a link that carries every one of a rank's `heads`, at the same place on
-/// both sides.
-fn whole_rank(heads: u32) -> HeadSlice {
-    HeadSlice {
-        src_first: 0,
-        dst_first: 0,
-        count: heads,
-    }
-}
-
-/// A READ's local and remote address ranges, as a plan gives them.
-type Ranges = (
-    Vec<crate::transport::AddrRange>,
-    Vec<crate::transport::AddrRange>,
-);
-
 /// Plans the READ of a load from a prefill whose blocks hold another number of tokens than
 /// this cache's: token ranges, not block ids, pair them. One block table (no groups, no
 /// per-layer windows: the handshake refused those); the load names its tokens, and the
@@ -693,9 +677,8 @@ fn plan_resized_read(
     req: &RecvRequest,
     plan: &mut TransferPlan,
     ranges: &mut Ranges,
-) -> Result<(u64, u64), String> {
-    ranges.0.clear();
-    ranges.1.clear();
+) -> Result<Planned, String> {
+    let mut out = Planner::new(Op::Read, plan, ranges);
     let (theirs, ours) = (remote.spec.tokens_per_block(), own.spec.tokens_per_block());
     if remote.groups.is_some() || own.groups.is_some() || own.layer_windows.is_some() {
         return Err(format!(
@@ -741,16 +724,16 @@ fn plan_resized_read(
         slice,
         &pairs,
         PlanOptions::default(),
-        plan,
+        out.plan,
     )
     .map_err(|e| e.to_string())?;
-    append_for(Op::Read, plan.iter(), &mut ranges.0, &mut ranges.1);
-    Ok((plan.total_bytes, plan.raw_count))
+    out.appended();
+    Ok(out.planned)
 }
 
 /// Plans the READ of `pairs` (per KV cache group: prefill blocks, local blocks) from
 /// `remote` into `own` into `ranges` (local, remote): one coalesced plan per group, on that
-/// group's layers alone. Returns the bytes moved and the descriptors before coalescing.
+/// group's layers alone.
 fn plan_read(
     remote: &RemoteRank,
     own: &KvCache,
@@ -758,23 +741,8 @@ fn plan_read(
     pairs: &[GroupPairs<'_>],
     plan: &mut TransferPlan,
     ranges: &mut Ranges,
-) -> Result<(u64, u64), String> {
-    ranges.0.clear();
-    ranges.1.clear();
-    let (mut bytes, mut raw) = (0u64, 0u64);
-    let mut add = |src: &CacheSide<'_>,
-                   dst: &CacheSide<'_>,
-                   slice: HeadSlice,
-                   pairs: &BlockPairs<'_>,
-                   plan: &mut TransferPlan|
-     -> Result<(), String> {
-        plan_transfer_into(src, dst, slice, pairs, PlanOptions::default(), plan)
-            .map_err(|e| e.to_string())?;
-        append_for(Op::Read, plan.iter(), &mut ranges.0, &mut ranges.1);
-        bytes = bytes.saturating_add(plan.total_bytes);
-        raw = raw.saturating_add(plan.raw_count);
-        Ok(())
-    };
+) -> Result<Planned, String> {
+    let mut out = Planner::new(Op::Read, plan, ranges);
     match (&remote.groups, &own.groups) {
         (None, None) => {
             let [(src_blocks, dst_blocks)] = pairs else {
@@ -789,42 +757,22 @@ fn plan_read(
                 dst: dst_blocks,
                 windows: own.layer_windows.as_deref(),
             };
-            add(&src, &dst, slice, &blocks, plan)?;
+            out.add(&src, &dst, slice, &blocks)?;
         }
         (Some(theirs), Some(ours)) if theirs == ours => {
+            let caches = Grouped {
+                groups: ours,
+                src: (&remote.spec, &remote.bases),
+                dst: (&own.spec, &own.bases),
+                rank_heads: own.spec.kv_heads(),
+            };
             for (g, (src_blocks, dst_blocks)) in pairs.iter().enumerate() {
-                if dst_blocks.is_empty() {
-                    continue;
+                if !dst_blocks.is_empty() {
+                    out.add_group(&caches, g, slice, (src_blocks, dst_blocks))?;
                 }
-                let layout = |e: kvxfer_layout::LayoutError| format!("KV cache group {g}: {e}");
-                let (rspec, rbases) = theirs
-                    .group_side(g, &remote.spec, &remote.bases)
-                    .map_err(layout)?;
-                let (ospec, obases) = ours.group_side(g, &own.spec, &own.bases).map_err(layout)?;
-                // A state group moves the rank's page whole: the handshake let through only
-                // equal TP sizes, where each rank reads the rank of its index whole.
-                let slice = if ours.is_state(g) {
-                    if slice != whole_rank(own.spec.kv_heads()) {
-                        return Err(format!(
-                            "KV cache group {g}: state pages move rank to rank whole, not heads {slice:?}"
-                        ));
-                    }
-                    whole_rank(1)
-                } else {
-                    slice
-                };
-                // Groups span the whole model on both sides (KvCache::check, the handshake).
-                let src = CacheSide::new(&rspec, &rbases, 0).map_err(layout)?;
-                let dst = CacheSide::new(&ospec, &obases, 0).map_err(layout)?;
-                let blocks = BlockPairs {
-                    src: src_blocks,
-                    dst: dst_blocks,
-                    windows: None,
-                };
-                add(&src, &dst, slice, &blocks, plan)?;
             }
         }
         _ => return Err("the prefill's KV cache groups differ from this cache's".into()),
     }
-    Ok((bytes, raw))
+    Ok(out.planned)
 }

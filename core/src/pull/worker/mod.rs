@@ -19,12 +19,13 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::{CacheSpec, LayerGroups, LayoutError, TpMapping, TransferPlan};
 
 use super::block_lists::BlockLists;
-use super::config::{FailurePolicy, KvCache, PullConfig};
+use super::config::{FailurePolicy, PullConfig};
 use super::holds::Holds;
 use super::metrics::PullMetrics;
 use super::scheduler::{RecvRequest, StepMeta};
 use super::stamps::{Scratch, Stamp, StampTable};
 use crate::clock::Clock;
+use crate::connector::KvCache;
 use crate::sidechannel::{KnownReaders, Listener, side_channel_port};
 use crate::transport::{
     AddrRange, MemoryKind, PeerId, Registration, Transport, TransportError, XferId,

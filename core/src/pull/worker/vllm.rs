@@ -9,7 +9,8 @@ use std::time::Duration;
 use kvxfer_layout::{BlockOrder, CacheKind, CacheSpec, TpMapping};
 
 use super::{Fetched, Native, PullWorker};
-use crate::pull::config::{KvCache, PullConfig, VllmCompat};
+use crate::connector::KvCache;
+use crate::pull::config::{PullConfig, VllmCompat};
 use crate::sidechannel::fetch_vllm;
 use crate::transport::{AddrRange, MemoryKind, Transport};
 use crate::wire::handshake::HandshakeMeta;

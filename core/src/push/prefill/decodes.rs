@@ -288,7 +288,7 @@ fn digest_refusal(req: &RoomRequest, memory: MemoryKind) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pull::KvCache;
+    use crate::connector::KvCache;
     use crate::wire::handshake::LayoutWire;
     use kvxfer_layout::{BlockOrder, CacheKind, CacheParams, Dtype};
 

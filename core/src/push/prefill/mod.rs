@@ -182,7 +182,7 @@ pub struct PushMetrics {
     /// `idle_decode_timeout`.
     pub forgotten_decodes: u64,
     /// What the transport library measured itself (NIXL telemetry) of completed WRITEs.
-    pub backend: crate::pull::BackendTelemetry,
+    pub backend: crate::connector::BackendTelemetry,
 }
 
 impl<T: Transport> PushPrefill<T> {

@@ -3,14 +3,12 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use kvxfer_layout::{
-    BlockPairs, CacheSide, CacheSpec, HeadSlice, LinkKind, PlanOptions, TransferPlan,
-    plan_transfer_into,
-};
+use kvxfer_layout::{BlockPairs, CacheSide, CacheSpec, HeadSlice, LinkKind, TransferPlan};
 
 use super::room::Chunk;
 use super::{PushError, PushPrefill};
-use crate::plan::append_for;
+use crate::connector::KvCache;
+use crate::connector::plan::{Grouped, Planned, Planner, Ranges};
 use crate::push::digests::{Coverage, PageDigests};
 use crate::push::messages::{self, BufferWire, RoomRequest};
 use crate::tally::Tally;
@@ -274,13 +272,6 @@ struct Target<'a> {
     start: usize,
 }
 
-/// What [`plan_chunk`] planned: bytes, descriptors before and after coalescing.
-struct Planned {
-    bytes: u64,
-    raw: u64,
-    descriptors: u64,
-}
-
 /// Plans the WRITEs of a chunk: `pages.0` (this rank's source pages) into `pages.1` (the
 /// decode's), heads `slice`, `layers` of them or all, into `ranges` (replaced). A cache in
 /// KV cache groups moves each group's share of the chunk through that group's layers only:
@@ -288,36 +279,15 @@ struct Planned {
 /// sides, and the two caches' groups are the same (checked at registration); a state
 /// group's pages (Mamba) move whole.
 fn plan_chunk(
-    kv: &crate::pull::KvCache,
+    kv: &KvCache,
     layers: Option<&std::ops::Range<u32>>,
     target: &Target<'_>,
     pages: (&[u32], &[u32]),
     slice: HeadSlice,
     plan: &mut TransferPlan,
-    ranges: &mut (Vec<AddrRange>, Vec<AddrRange>),
+    ranges: &mut Ranges,
 ) -> Result<Planned, String> {
-    ranges.0.clear();
-    ranges.1.clear();
-    let mut out = Planned {
-        bytes: 0,
-        raw: 0,
-        descriptors: 0,
-    };
-    let mut add =
-        |src: &CacheSide<'_>, dst: &CacheSide<'_>, slice: HeadSlice, pages: (&[u32], &[u32])| {
-            let pairs = BlockPairs {
-                src: pages.0,
-                dst: pages.1,
-                windows: None,
-            };
-            plan_transfer_into(src, dst, slice, &pairs, PlanOptions::default(), plan)
-                .map_err(|e| e.to_string())?;
-            append_for(Op::Write, plan.iter(), &mut ranges.0, &mut ranges.1);
-            out.bytes = out.bytes.saturating_add(plan.total_bytes);
-            out.raw = out.raw.saturating_add(plan.raw_count);
-            out.descriptors = out.descriptors.saturating_add(plan.len() as u64);
-            Ok::<(), String>(())
-        };
+    let mut out = Planner::new(Op::Write, plan, ranges);
     let Some(groups) = &kv.groups else {
         let part = layers.map(|l| layer_part(kv, l)).transpose()?;
         let src = match &part {
@@ -326,8 +296,13 @@ fn plan_chunk(
         }
         .map_err(|e| e.to_string())?;
         let dst = CacheSide::new(target.spec, target.bases, 0).map_err(|e| e.to_string())?;
-        add(&src, &dst, slice, pages)?;
-        return Ok(out);
+        let pairs = BlockPairs {
+            src: pages.0,
+            dst: pages.1,
+            windows: None,
+        };
+        out.add(&src, &dst, slice, &pairs)?;
+        return Ok(out.planned);
     };
     if layers.is_some() {
         return Err("a cache in KV cache groups sends whole pages, not layers".into());
@@ -339,6 +314,12 @@ fn plan_chunk(
             groups.len()
         ));
     }
+    let caches = Grouped {
+        groups,
+        src: (&kv.spec, &kv.bases),
+        dst: (target.spec, target.bases),
+        rank_heads: kv.spec.kv_heads(),
+    };
     let end = target
         .start
         .checked_add(pages.0.len())
@@ -354,30 +335,6 @@ fn plan_chunk(
         if from >= to {
             continue;
         }
-        let layout = |e: kvxfer_layout::LayoutError| format!("KV cache group {g}: {e}");
-        let (sspec, sbases) = groups.group_side(g, &kv.spec, &kv.bases).map_err(layout)?;
-        let (dspec, dbases) = groups
-            .group_side(g, target.spec, target.bases)
-            .map_err(layout)?;
-        let src = CacheSide::new(&sspec, &sbases, 0).map_err(layout)?;
-        let dst = CacheSide::new(&dspec, &dbases, 0).map_err(layout)?;
-        // A state group's page moves whole, rank to rank (the registration let through
-        // equal TP sizes only): one "head" of a page's bytes.
-        let slice = if groups.is_state(g) {
-            let whole = HeadSlice {
-                src_first: 0,
-                dst_first: 0,
-                count: kv.spec.kv_heads(),
-            };
-            if slice != whole {
-                return Err(format!(
-                    "KV cache group {g}: state pages move rank to rank whole, not heads {slice:?}"
-                ));
-            }
-            HeadSlice { count: 1, ..whole }
-        } else {
-            slice
-        };
         // Positions `from .. to` of the room, offsets `from - start ..` of the chunk.
         let (a, b) = (
             from.saturating_sub(target.start),
@@ -386,9 +343,9 @@ fn plan_chunk(
         let (Some(src_pages), Some(dst_pages)) = (pages.0.get(a..b), pages.1.get(a..b)) else {
             return Err(format!("KV cache group {g}: pages {a}..{b} past the chunk"));
         };
-        add(&src, &dst, slice, (src_pages, dst_pages))?;
+        out.add_group(&caches, g, slice, (src_pages, dst_pages))?;
     }
-    Ok(out)
+    Ok(out.planned)
 }
 
 /// Item-wise ranges of parallel buffers: item `src[i]` of each local buffer to item
@@ -416,7 +373,7 @@ fn items(
 /// The spec, region bases and global first layer of `layers` (local indices) of `kv`: the
 /// source side of a layer chunk. Not for a cross-layer cache (checked by the caller).
 fn layer_part(
-    kv: &crate::pull::KvCache,
+    kv: &KvCache,
     layers: &std::ops::Range<u32>,
 ) -> Result<(kvxfer_layout::CacheSpec, Vec<u64>, u32), String> {
     let spec = &kv.spec;

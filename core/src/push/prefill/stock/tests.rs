@@ -1,5 +1,5 @@
 use super::*;
-use crate::pull::KvCache;
+use crate::connector::KvCache;
 use crate::push::buffers::StateKind;
 use crate::push::prefill::decodes::check_registration;
 use kvxfer_layout::{BlockOrder, CacheParams, CacheSpec, Dtype};
