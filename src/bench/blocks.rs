@@ -1,7 +1,7 @@
 //! Which blocks each bench request uses: a seeded choice, scattered or consecutive, and how
 //! many blocks the prefill's caches hold.
 
-use super::BenchConfig;
+use super::config::BenchConfig;
 
 pub(crate) fn xorshift(state: &mut u64) -> u64 {
     *state ^= *state << 13;

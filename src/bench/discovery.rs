@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::BenchError;
+use super::config::BenchError;
 
 /// Where the fleet is registered and which engine this is (or reads from).
 #[derive(Debug, Clone)]

@@ -11,12 +11,14 @@ use kvxfer_core::wire::params::KvTransferParams;
 use kvxfer_layout::{CacheSpec, Side, TpMapping};
 
 use super::blocks::{choose, source_blocks, xorshift};
+use super::config::{BenchConfig, BenchError};
 use super::discovery::{Resolver, register};
+use super::fill;
 use super::rank::Rank;
+use super::report::BenchReport;
 use super::timing::{
     POLL_PAUSE, ceiling_baseline, digest_baseline, finish, mean_piece, memcpy_baseline, ms,
 };
-use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
 /// One side: ranks (memory) and their workers; workers drop first.

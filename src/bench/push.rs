@@ -13,12 +13,14 @@ use kvxfer_core::push::{
 use kvxfer_layout::{CacheSpec, LayerRange, PpSplit, Side, TpMapping};
 
 use super::blocks::{choose, source_blocks};
+use super::config::{BenchConfig, BenchError};
 use super::discovery::{push_directory, register_push};
+use super::fill;
 use super::rank::Rank;
+use super::report::BenchReport;
 use super::timing::{
     POLL_PAUSE, ceiling_baseline, digest_baseline, finish, mean_piece, memcpy_baseline, ms,
 };
-use super::{BenchConfig, BenchError, BenchReport, fill};
 use crate::transports::{AnyTransport, open};
 
 /// Pages per chunk (a chunked prefill sends its KV as it computes it).

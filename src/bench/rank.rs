@@ -8,7 +8,7 @@ use kvxfer_host_mem::mem::HostMem;
 use kvxfer_host_mem::shm::SharedHostMem;
 use kvxfer_layout::CacheSpec;
 
-use super::{BenchError, Memory};
+use super::config::{BenchError, Memory};
 use crate::models::ModelShape;
 
 /// A rank's bytes: private, or in kvxfer shared memory (`--memory shared-host`).

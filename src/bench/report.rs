@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::{BenchConfig, Mode};
+use super::config::{BenchConfig, Mode};
 
 /// Results of one bench run (JSON keys are the field names).
 #[derive(Debug, Clone, Default, Serialize)]

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use kvxfer_host_mem::copy::{self as host_copy, Method};
 
 use super::blocks::xorshift;
-use super::{BenchConfig, BenchReport};
+use super::config::BenchConfig;
+use super::report::BenchReport;
 
 /// The pause between two polls of a wave's progress. A poller that only yields keeps a core
 /// busy and takes it from the transport's copy workers: on a 2-core machine that cost the

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kvxfer::bench::{Memory, Mode};
+use kvxfer::bench::{BenchConfig, Memory, Mode};
 use kvxfer::models::ModelShape;
 use kvxfer::transports::TransportKind;
 use kvxfer_layout::{BlockOrder, CacheKind};
@@ -139,6 +139,78 @@ pub(crate) struct Shape {
     pub(crate) block_size: u32,
 }
 
+/// What `bench` and `serve` both take: the engines' caches and the requests moved between
+/// them. A `serve` in push mode writes what its decode asks for, so its tokens, seed and
+/// `--contiguous` must be the decode's.
+#[derive(Args)]
+pub(crate) struct Workload {
+    #[command(flatten)]
+    pub(crate) shape: Shape,
+    /// Pipeline stages on the prefill side (push mode), layers split as evenly as possible.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) pp: u32,
+    /// Blocks per region (raised to fit the requests in flight).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) num_blocks: u32,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 2048)]
+    pub(crate) tokens: u32,
+    /// Use consecutive block ids instead of scattered ones.
+    #[arg(long)]
+    pub(crate) contiguous: bool,
+    /// Memory the caches live in (shared-host: for same-host UCX peers).
+    #[arg(long, value_enum, default_value = "host")]
+    pub(crate) memory: MemoryArg,
+    /// Transfer style: pull (the decode READs) or push (the prefill WRITEs each room a
+    /// decode asks for).
+    #[arg(long, value_enum, default_value = "pull")]
+    pub(crate) mode: ModeArg,
+    /// Seed of the block choice.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    #[command(flatten)]
+    pub(crate) discovery: DiscoveryArgs,
+}
+
+impl Workload {
+    /// The bench these flags describe over `transport`, one request at a time with nothing
+    /// before it (what `serve` runs; `bench` sizes its own run on it): the one place a
+    /// `BenchConfig` is built from flags.
+    pub(crate) fn config(self, transport: TransportKind) -> Result<BenchConfig, String> {
+        let Shape {
+            model,
+            tp,
+            order,
+            cache,
+            block_size,
+        } = self.shape;
+        Ok(BenchConfig {
+            model: with_cache(model, cache)?,
+            order: block_order(order),
+            prefill_tp: tp.0,
+            decode_tp: tp.1,
+            prefill_pp: self.pp,
+            block_size,
+            num_blocks: self.num_blocks,
+            requests: 1,
+            tokens_per_request: self.tokens,
+            concurrency: 1,
+            warmup: 0,
+            fragmented: !self.contiguous,
+            transport,
+            memory: self.memory.into(),
+            mode: self.mode.into(),
+            seed: self.seed,
+            connect: None,
+            transfer_timeout: std::time::Duration::from_secs(30),
+            raw_posts: false,
+            keep_going: false,
+            digest: false,
+            discovery: self.discovery.config(),
+        })
+    }
+}
+
 #[derive(Subcommand)]
 pub(crate) enum Command {
     /// Run a prefill and a decode engine in one process, move a batch of requests, verify
@@ -147,40 +219,19 @@ pub(crate) enum Command {
     #[command(args_override_self = true)]
     Bench {
         #[command(flatten)]
-        shape: Shape,
-        /// Pipeline stages on the prefill side (push mode), layers split as evenly as possible.
-        #[arg(long, default_value_t = 1)]
-        pp: u32,
-        /// Blocks per region (raised to fit the requests in flight).
-        #[arg(long, default_value_t = 256)]
-        num_blocks: u32,
+        workload: Workload,
         /// Measured requests.
         #[arg(long, default_value_t = 16)]
         requests: u32,
-        /// Tokens per request.
-        #[arg(long, default_value_t = 2048)]
-        tokens: u32,
         /// Requests in flight at once.
         #[arg(long, default_value_t = 1)]
         concurrency: u32,
         /// Unmeasured requests first (the first includes the handshake).
         #[arg(long, default_value_t = 2)]
         warmup: u32,
-        /// Use consecutive block ids instead of scattered ones.
-        #[arg(long)]
-        contiguous: bool,
         /// Transport: loopback, ucx or nixl (only those compiled in).
         #[arg(long, default_value = "loopback")]
         transport: TransportKind,
-        /// Memory the caches live in.
-        #[arg(long, value_enum, default_value = "host")]
-        memory: MemoryArg,
-        /// Transfer style.
-        #[arg(long, value_enum, default_value = "pull")]
-        mode: ModeArg,
-        /// Seed of the block choice.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -214,8 +265,6 @@ pub(crate) enum Command {
         /// same bytes.
         #[arg(long)]
         digest: bool,
-        #[command(flatten)]
-        discovery: DiscoveryArgs,
     },
     /// Serve a prefill engine for `kvxfer bench --connect` in another process or host: fills
     /// its caches and serves them until Ctrl-C (or `--duration`): answers reads in pull mode,
@@ -223,7 +272,7 @@ pub(crate) enum Command {
     #[command(args_override_self = true)]
     Serve {
         #[command(flatten)]
-        shape: Shape,
+        workload: Workload,
         /// Role of this process (only `prefill` serves).
         #[arg(long, default_value = "prefill")]
         role: String,
@@ -238,33 +287,9 @@ pub(crate) enum Command {
         /// Stop after this many seconds (default: until Ctrl-C).
         #[arg(long)]
         duration: Option<u64>,
-        /// Blocks per region.
-        #[arg(long, default_value_t = 256)]
-        num_blocks: u32,
         /// Transport (one that crosses processes: ucx or nixl).
         #[arg(long, default_value = "nixl")]
         transport: TransportKind,
-        /// Memory the caches live in (host, or shared-host for same-host UCX peers).
-        #[arg(long, value_enum, default_value = "host")]
-        memory: MemoryArg,
-        /// Transfer style the decode side will use (`bench --mode`): pull serves READs,
-        /// push WRITEs each room a decode asks for.
-        #[arg(long, value_enum, default_value = "pull")]
-        mode: ModeArg,
-        /// Push: tokens per request (as the decode's `--tokens`).
-        #[arg(long, default_value_t = 2048)]
-        tokens: u32,
-        /// Push: pipeline stages of the prefill.
-        #[arg(long, default_value_t = 1)]
-        pp: u32,
-        /// Push: consecutive source blocks (as the decode's `--contiguous`).
-        #[arg(long)]
-        contiguous: bool,
-        /// Push: seed of the source block choice (as the decode's `--seed`).
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        #[command(flatten)]
-        discovery: DiscoveryArgs,
     },
     /// Print the cache spec, regions, TP mapping and a sample transfer plan of a configuration.
     #[command(args_override_self = true)]

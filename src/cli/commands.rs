@@ -15,30 +15,15 @@ use super::args::{Command, Shape, SweepParam, block_order, with_cache};
 pub(crate) fn run(command: Command) -> ExitCode {
     match command {
         Command::Serve {
-            shape:
-                Shape {
-                    model,
-                    tp,
-                    order,
-                    cache,
-                    block_size,
-                },
+            workload,
             role,
             host,
             port,
             duration,
-            num_blocks,
             transport,
-            memory,
-            mode,
-            tokens,
-            pp,
-            contiguous,
-            seed,
-            discovery,
         } => {
-            let model = match with_cache(model, cache) {
-                Ok(m) => m,
+            let config = match workload.config(transport) {
+                Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
@@ -50,30 +35,6 @@ pub(crate) fn run(command: Command) -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            let config = BenchConfig {
-                model,
-                order: block_order(order),
-                prefill_tp: tp.0,
-                decode_tp: tp.1,
-                prefill_pp: pp,
-                block_size,
-                num_blocks,
-                requests: 1,
-                tokens_per_request: tokens,
-                concurrency: 1,
-                warmup: 0,
-                fragmented: !contiguous,
-                transport,
-                memory: memory.into(),
-                mode: mode.into(),
-                seed,
-                connect: None,
-                transfer_timeout: std::time::Duration::from_secs(30),
-                raw_posts: false,
-                keep_going: false,
-                digest: false,
-                discovery: discovery.config(),
-            };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = std::sync::Arc::clone(&stop);
             let _ =
@@ -94,25 +55,11 @@ pub(crate) fn run(command: Command) -> ExitCode {
             }
         }
         Command::Bench {
-            shape:
-                Shape {
-                    model,
-                    tp,
-                    order,
-                    cache,
-                    block_size,
-                },
-            pp,
-            num_blocks,
+            workload,
             requests,
-            tokens,
             concurrency,
             warmup,
-            contiguous,
             transport,
-            memory,
-            mode,
-            seed,
             json,
             sweep,
             chart,
@@ -121,38 +68,24 @@ pub(crate) fn run(command: Command) -> ExitCode {
             raw_posts,
             keep_going,
             digest,
-            discovery,
         } => {
-            let model = match with_cache(model, cache) {
-                Ok(m) => m,
+            let base = match workload.config(transport) {
+                Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
             };
             let config = BenchConfig {
-                model,
-                order: block_order(order),
-                prefill_tp: tp.0,
-                decode_tp: tp.1,
-                prefill_pp: pp,
-                block_size,
-                num_blocks,
                 requests,
-                tokens_per_request: tokens,
                 concurrency,
                 warmup,
-                fragmented: !contiguous,
-                transport,
-                memory: memory.into(),
-                mode: mode.into(),
-                seed,
                 connect,
                 transfer_timeout: std::time::Duration::from_secs(transfer_timeout),
                 raw_posts,
                 keep_going,
                 digest,
-                discovery: discovery.config(),
+                ..base
             };
             match sweep {
                 None => bench(&config, json),

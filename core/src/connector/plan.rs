@@ -232,11 +232,13 @@ mod tests {
         let (mut plan, mut ranges) = (TransferPlan::default(), (Vec::new(), Vec::new()));
         ranges.0.push(AddrRange::new(1, 1));
         let mut p = Planner::new(Op::Write, &mut plan, &mut ranges);
-        p.add_group(&caches, 0, whole, (&[1], &[2])).expect("attention group");
+        p.add_group(&caches, 0, whole, (&[1], &[2]))
+            .expect("attention group");
         let one = p.planned;
         assert_eq!(one.bytes, s.block_len(), "one layer's block");
         assert!(one.descriptors >= 1 && one.raw >= one.descriptors);
-        p.add_group(&caches, 1, whole, (&[3], &[4])).expect("state group");
+        p.add_group(&caches, 1, whole, (&[3], &[4]))
+            .expect("state group");
         assert!(p.planned.bytes > one.bytes);
         assert!(p.planned.descriptors > one.descriptors);
         let half = HeadSlice { count: 1, ..whole };
@@ -245,8 +247,12 @@ mod tests {
         let descriptors = p.planned.descriptors as usize;
         // A WRITE's local side is the source: the stale range was dropped at the start.
         assert_eq!(ranges.0.len(), descriptors);
-        assert!(ranges.0.iter().all(|r| (0x10_0000..0x90_0000).contains(&r.addr)));
+        assert!(
+            ranges
+                .0
+                .iter()
+                .all(|r| (0x10_0000..0x90_0000).contains(&r.addr))
+        );
         assert!(ranges.1.iter().all(|r| r.addr >= 0x90_0000));
     }
 }
-
