@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvxfer::AnyTransport;
 use kvxfer_core::clock::SystemClock;
 use kvxfer_core::push::messages::BufferWire;
-use kvxfer_core::push::{self, PushBuffers, PushError, PushMetrics, StateKind};
+use kvxfer_core::push::{self, PushBuffers, PushError, PushMetrics, Rooms, StateKind};
 use kvxfer_core::{MemoryKind, Transport};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -92,6 +92,61 @@ fn push_error(e: PushError) -> PyErr {
 /// A prefill instance's bootstrap registry: its ranks register, decodes ask for the layout.
 /// A restarted instance's registry has a new `instance` id, which tells decodes to register
 /// again.
+/// Binds the room API both push sides share ([`push::Rooms`]) on `$class`, whose `inner`
+/// slot holds a `$core`: once for both classes (`multiple-pymethods`).
+macro_rules! room_methods {
+    ($class:ident, $core:ty) => {
+        #[pymethods]
+        impl $class {
+            /// The room's status (0 failed, 1 bootstrapping, 2 waiting for input,
+            /// 3 transferring, 4 success), or `None` for a room this rank has not heard of.
+            fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
+                self.inner.with(py, <$core as Rooms>::SIDE, |r| {
+                    Ok(Rooms::status(r, room).map(|s| s as u8))
+                })
+            }
+
+            /// Why the room failed.
+            fn error(&self, py: Python<'_>, room: u64) -> PyResult<Option<String>> {
+                self.inner
+                    .with(py, <$core as Rooms>::SIDE, |r| Ok(Rooms::error(r, room)))
+            }
+
+            /// Gives up on the room. A prefill rank fails it, releases its WRITEs and tells
+            /// the decodes it alone writes into; a decode rank tells its prefill ranks, which
+            /// acknowledge once they stopped writing into it (see `PushDecode.drained`).
+            fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+                self.inner.with(py, <$core as Rooms>::SIDE, |r| {
+                    Rooms::abort(r, room);
+                    Ok(())
+                })
+            }
+
+            /// Forgets the room (a live one is aborted first). A decode rank keeps one that a
+            /// prefill rank may still write into aside until it drains, or for the waiting
+            /// timeout at most.
+            fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+                self.inner.with(py, <$core as Rooms>::SIDE, |r| {
+                    Rooms::remove_room(r, room);
+                    Ok(())
+                })
+            }
+
+            /// Processes control messages and results, transfer completions, notifications,
+            /// timeouts and liveness. Never blocks.
+            fn poll(&self, py: Python<'_>) -> PyResult<()> {
+                self.inner.with(py, <$core as Rooms>::SIDE, |r| {
+                    Rooms::poll(r);
+                    Ok(())
+                })
+            }
+        }
+    };
+}
+
+room_methods!(PushPrefill, push::PushPrefill<AnyTransport>);
+room_methods!(PushDecode, push::PushDecode<AnyTransport>);
+
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub struct PushRegistry {
     inner: Slot<push::BootstrapRegistry>,
@@ -352,41 +407,6 @@ impl PushPrefill {
         })
     }
 
-    /// The room's status (0–4), or `None` for a room this rank has not heard of.
-    fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
-        self.inner
-            .with(py, "prefill", |p| Ok(p.status(room).map(|s| s as u8)))
-    }
-
-    /// Why the room failed.
-    fn error(&self, py: Python<'_>, room: u64) -> PyResult<Option<String>> {
-        self.inner.with(py, "prefill", |p| Ok(p.error(room)))
-    }
-
-    /// Fails the room, releases its transfers and tells the decodes it alone writes into.
-    fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
-        self.inner.with(py, "prefill", |p| {
-            p.abort(room);
-            Ok(())
-        })
-    }
-
-    /// Forgets a room (a live one fails first).
-    fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
-        self.inner.with(py, "prefill", |p| {
-            p.remove_room(room);
-            Ok(())
-        })
-    }
-
-    /// Takes in decode registrations and destinations, completes transfers, times rooms out.
-    fn poll(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.with(py, "prefill", |p| {
-            p.poll();
-            Ok(())
-        })
-    }
-
     /// Control messages refused (unknown agent, malformed content).
     fn refused(&self, py: Python<'_>) -> PyResult<u64> {
         self.inner.with(py, "prefill", |p| Ok(p.refused()))
@@ -580,35 +600,6 @@ impl PushDecode {
         })
     }
 
-    /// The room's status (0–4), or `None` for an unknown room.
-    fn status(&self, py: Python<'_>, room: u64) -> PyResult<Option<u8>> {
-        self.inner
-            .with(py, "decode", |d| Ok(d.status(room).map(|s| s as u8)))
-    }
-
-    /// Why the room failed.
-    fn error(&self, py: Python<'_>, room: u64) -> PyResult<Option<String>> {
-        self.inner.with(py, "decode", |d| Ok(d.error(room)))
-    }
-
-    /// Gives up on the room and tells its prefill ranks, which acknowledge once they
-    /// stopped writing into it (see `drained`).
-    fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
-        self.inner.with(py, "decode", |d| {
-            d.abort(room);
-            Ok(())
-        })
-    }
-
-    /// Forgets a room (a live one is aborted first); one a prefill rank may still write into
-    /// is kept aside until it drains, or for the waiting timeout at most.
-    fn remove_room(&self, py: Python<'_>, room: u64) -> PyResult<()> {
-        self.inner.with(py, "decode", |d| {
-            d.remove_room(room);
-            Ok(())
-        })
-    }
-
     /// Whether no prefill rank can still write into the room's pages, so that they may be
     /// handed to another request: it succeeded, every rank sent its pages acknowledged an
     /// abort, or the prefill was declared dead. True for a room this rank does not know.
@@ -639,14 +630,6 @@ impl PushDecode {
         out.set_item("digest_mismatches", m.digest_mismatches)?;
         out.set_item("digest_time", m.digest_time.as_secs_f64())?;
         Ok(out)
-    }
-
-    /// Processes control results, notifications, timeouts and heartbeats. Never blocks.
-    fn poll(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.with(py, "decode", |d| {
-            d.poll();
-            Ok(())
-        })
     }
 
     /// This rank's NIXL agent's own metadata (`getLocalMD`), for stock peers of the same

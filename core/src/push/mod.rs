@@ -12,6 +12,7 @@ mod etcd_directory;
 pub use crate::wire::push_messages as messages;
 mod prefill;
 mod registry;
+mod rooms;
 mod status;
 
 pub use buffers::{PushBuffers, StateKind};
@@ -25,4 +26,5 @@ pub use etcd_directory::{EtcdDirectory, push_records};
 pub use prefill::room as prefill_room;
 pub use prefill::{PushError, PushMetrics, PushPrefill, PushPrefillConfig, StockOutgoing};
 pub use registry::{BootstrapRegistry, ask_registry};
+pub use rooms::Rooms;
 pub use status::RoomStatus;
