@@ -3,23 +3,7 @@
 use std::time::Duration;
 
 use crate::wire::handshake::MAX_HANDSHAKE_BYTES;
-use crate::wire::vllm::CompatFactors;
-
-/// What a worker needs to speak vLLM 0.32's NixlConnector handshake with stock vLLM peers:
-/// its compatibility factors (inside vLLM, from the engine config) and its regions' names.
-#[derive(Debug, Clone, PartialEq)]
-pub struct VllmCompat {
-    /// This engine's factors; their hash is served to and expected from stock peers.
-    pub factors: CompatFactors,
-    /// Refuse stock peers whose hash differs (vLLM's `enforce_handshake_compat`).
-    pub enforce_hash: bool,
-    /// The layer name of each region, in region order (vLLM's `region_names`).
-    pub region_names: Vec<String>,
-    /// Whether stock vLLM decodes may pull from this rank. Off where they would misread
-    /// this engine's hand-off (a hybrid prefill that stops before the last prompt token,
-    /// which vLLM's decode does not expect); kvxfer decodes are unaffected.
-    pub serve_decodes: bool,
-}
+pub use crate::wire::vllm_peer::VllmCompat;
 
 /// What the engine should do with a request whose KV cache could not be loaded. kvxfer only
 /// reports the failure: the request appears in `Finished::recving` and `Finished::failed`

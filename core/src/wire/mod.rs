@@ -10,6 +10,7 @@ pub mod pull_notes;
 pub mod push_messages;
 pub mod sglang_nixl;
 pub mod vllm;
+pub mod vllm_peer;
 
 use thiserror::Error;
 

@@ -11,7 +11,8 @@ use kvxfer_layout::{
     check_compatible,
 };
 
-use super::vllm::{StockPrefill, StockRegions, layout_name, stock_handshake};
+use super::prefill_ranks;
+use super::vllm::{StockPrefill, stock_handshake};
 use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
 use crate::pull::scheduler::RecvRequest;
@@ -20,6 +21,7 @@ use crate::tally::Tally;
 use crate::transport::Transport;
 use crate::wire::handshake::PROTOCOL_VERSION;
 use crate::wire::params::PeerProtocol;
+use crate::wire::vllm_peer::{StockRegions, layout_name};
 
 impl<T: Transport> PullWorker<T> {
     pub(super) fn spawn_handshake(&mut self, req: &RecvRequest) {
@@ -611,19 +613,6 @@ fn handshake(
         metas.push((r, kvxfer_peer(at.expect(p, meta)?)));
     }
     Ok((remote_tp, metas))
-}
-
-/// The prefill ranks decode rank `my_rank` links with (data or notification only), in order.
-pub(super) fn prefill_ranks(mapping: &TpMapping, my_rank: u32) -> Result<Vec<u32>, String> {
-    let mut ranks: Vec<u32> = mapping
-        .links_for_decode(my_rank)
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|l| l.prefill_rank)
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
-    Ok(ranks)
 }
 
 fn kvxfer_peer(meta: crate::wire::handshake::HandshakeMeta) -> Fetched {

@@ -557,7 +557,7 @@ impl<T: Transport> PullWorker<T> {
         let Some(Engine::Ready { clock_offset, .. }) = self.engines.get(&req.engine_id) else {
             return None;
         };
-        super::vllm::expired(
+        crate::wire::vllm_peer::expired(
             expiry,
             (*clock_offset)?,
             crate::sidechannel::monotonic_seconds(),

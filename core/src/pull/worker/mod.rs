@@ -119,25 +119,9 @@ struct Fetched {
     /// The cache geometry (for a stock peer, as a reference peer's map).
     meta: HandshakeMeta,
     /// For a stock vLLM peer: what its own protocol says beyond the map.
-    native: Option<Native>,
+    native: Option<crate::wire::vllm_peer::StockMeta>,
     /// For a stock vLLM peer: its clock minus ours (seconds) when it answered.
     clock_offset: Option<f64>,
-}
-
-/// What a stock vLLM prefill rank advertised beyond the geometry.
-struct Native {
-    /// The regions NIXL's blob covers, checked against before posting.
-    regions: Vec<(crate::transport::MemoryKind, AddrRange)>,
-    /// `LBHNC` or `LBNHC`.
-    kv_cache_layout: String,
-    /// Tokens per block.
-    block_size: u32,
-    /// The base of each region, as vLLM registers them (one per distinct memory).
-    bases: Vec<u64>,
-    /// vLLM's `region_group_ids`: each region's KV cache group, -1 where groups share it.
-    region_group_ids: Option<Vec<i64>>,
-    /// vLLM's `region_names`: each region's first layer.
-    region_names: Option<Vec<String>>,
 }
 
 enum Engine {
@@ -593,6 +577,19 @@ fn register_spans<T: Transport>(
         .into_iter()
         .map(|s| t.register(cache.memory, s).map_err(PullError::from))
         .collect()
+}
+
+/// The prefill ranks decode rank `my_rank` links with (data or notification only), in order.
+fn prefill_ranks(mapping: &TpMapping, my_rank: u32) -> Result<Vec<u32>, String> {
+    let mut ranks: Vec<u32> = mapping
+        .links_for_decode(my_rank)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|l| l.prefill_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    Ok(ranks)
 }
 
 /// `sha256:` and the first 16 hex digits of the hash of what a peer reads the cache by.

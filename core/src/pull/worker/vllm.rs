@@ -1,20 +1,20 @@
-//! Stock vLLM 0.32 peers (NixlConnector, connector version 14): the payload a prefill rank
-//! serves them, and the handshake a decode rank does with a stock prefill. Both end in the
-//! same connection a kvxfer peer gets; only the metadata's form and the heartbeat differ.
+//! Stock vLLM 0.32 peers (NixlConnector, connector version 14): serving them this rank's
+//! payload, and the handshake a decode rank does with a stock prefill. Both end in the same
+//! connection a kvxfer peer gets; only the metadata's form and the heartbeat differ. What
+//! either side's metadata means in the other's terms is `wire::vllm_peer`.
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use std::time::Duration;
 
-use kvxfer_layout::{BlockOrder, CacheKind, CacheSpec, TpMapping};
+use kvxfer_layout::TpMapping;
 
-use super::{Fetched, Native, PullWorker};
-use crate::connector::KvCache;
-use crate::pull::config::{PullConfig, VllmCompat};
+use super::{Fetched, PullWorker, prefill_ranks};
+use crate::pull::config::VllmCompat;
 use crate::sidechannel::fetch_vllm;
-use crate::transport::{AddrRange, MemoryKind, Transport};
-use crate::wire::handshake::HandshakeMeta;
-use crate::wire::vllm::{AgentMetadata, HandshakePayload, MAX_PAYLOAD_BYTES, MetaRequest};
+use crate::transport::Transport;
+use crate::wire::vllm::{AgentMetadata, MAX_PAYLOAD_BYTES, MetaRequest};
+use crate::wire::vllm_peer::{from_stock, payload};
 
 impl<T: Transport> PullWorker<T> {
     /// Serves stock vLLM decodes from this rank's listener where the transport can hand
@@ -33,176 +33,14 @@ impl<T: Transport> PullWorker<T> {
         }
         match self.transport.native_metadata() {
             Ok(native) => {
-                let payload = stock_payload(compat, &self.cache, &self.config, native);
-                listener.set_vllm_reply(0, self.config.tp_rank, payload);
+                let reply = payload(compat, &self.cache, &self.config.engine_id, native);
+                listener.set_vllm_reply(0, self.config.tp_rank, reply);
             }
             Err(e) => tracing::info!(
                 reason = %e,
                 "stock vLLM decodes cannot pull from this rank (they need NIXL)"
             ),
         }
-    }
-}
-
-/// The payload vLLM's NixlConnector would serve for this cache: one region per kvxfer
-/// region, blocks contiguous, NIXL's own agent metadata.
-pub(super) fn stock_payload(
-    compat: &VllmCompat,
-    cache: &KvCache,
-    config: &PullConfig,
-    native: Vec<u8>,
-) -> Vec<u8> {
-    let spec = &cache.spec;
-    let regions = cache.bases.len();
-    let (device_id, mem) = match cache.memory {
-        MemoryKind::Host => (0, "DRAM"),
-        MemoryKind::Gpu { device } => (device, "VRAM"),
-    };
-    let blocks = u64::from(spec.num_blocks());
-    let stock = StockRegions::of(cache);
-    let names = (compat.region_names.len() == regions).then(|| {
-        stock
-            .first
-            .iter()
-            .map(|&r| compat.region_names[r].clone())
-            .collect()
-    });
-    let regions = stock.first.len();
-    let meta = AgentMetadata {
-        engine_id: config.engine_id.clone(),
-        agent_metadata: native,
-        kv_caches_base_addr: stock.first.iter().map(|&r| cache.bases[r]).collect(),
-        device_id,
-        num_blocks: blocks,
-        block_lens: vec![spec.block_len(); regions],
-        block_strides: vec![spec.block_len(); regions],
-        kv_cache_layout: layout_name(spec).into(),
-        block_size: spec.tokens_per_block(),
-        ssm_sizes: vec![0, 0],
-        attn_backend_name: compat.factors.attn_backend_name.clone(),
-        physical_blocks_per_logical_kv_block: 1,
-        region_num_blocks: Some(vec![blocks; regions]),
-        region_group_ids: Some(stock.group_ids),
-        region_names: names,
-        region_mem_types: Some(vec![mem.to_string(); regions]),
-        dcp_size: 1,
-        pcp_size: 1,
-        ple_block_len: None,
-        region_members: Vec::new(),
-        packed_member_layouts: Default::default(),
-    };
-    HandshakePayload {
-        compatibility_hash: compat.factors.hash(),
-        agent_metadata_bytes: meta.encode(),
-    }
-    .encode()
-}
-
-/// How vLLM's NixlConnector registers a cache: one region per distinct memory, in layer
-/// order, each named after its first layer and marked with its layers' KV cache group, or
-/// -1 where layers of several groups share it (the hybrid manager's overlay). kvxfer keeps
-/// one region per layer, an overlaid region's base repeated.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) struct StockRegions {
-    /// Per stock region, the kvxfer region that introduced it.
-    pub first: Vec<usize>,
-    /// Per kvxfer region, its stock region.
-    pub region_of: Vec<usize>,
-    /// Per stock region, vLLM's `region_group_ids` entry.
-    pub group_ids: Vec<i64>,
-}
-
-/// vLLM's mark of a region that layers of several KV cache groups share.
-const SHARED_GROUP: i64 = -1;
-
-impl StockRegions {
-    /// The stock regions of `cache`.
-    pub fn of(cache: &KvCache) -> Self {
-        let per_layer = cache
-            .spec
-            .num_regions()
-            .checked_div(cache.spec.num_layers())
-            .unwrap_or(1)
-            .max(1) as usize;
-        let group_of = |r: usize| -> i64 {
-            let layer = r.checked_div(per_layer).unwrap_or(0);
-            cache.groups.as_ref().map_or(0, |g| {
-                g.as_slice()
-                    .iter()
-                    .position(|ls| ls.iter().any(|&l| l as usize == layer))
-                    .map_or(SHARED_GROUP, |i| i64::try_from(i).unwrap_or(SHARED_GROUP))
-            })
-        };
-        let mut out = StockRegions {
-            first: Vec::new(),
-            region_of: Vec::with_capacity(cache.bases.len()),
-            group_ids: Vec::new(),
-        };
-        for (r, &base) in cache.bases.iter().enumerate() {
-            let group = group_of(r);
-            match out.first.iter().position(|&f| cache.bases[f] == base) {
-                Some(s) => {
-                    if out.group_ids[s] != group {
-                        out.group_ids[s] = SHARED_GROUP;
-                    }
-                    out.region_of.push(s);
-                }
-                None => {
-                    out.region_of.push(out.first.len());
-                    out.first.push(r);
-                    out.group_ids.push(group);
-                }
-            }
-        }
-        out
-    }
-
-    /// A stock prefill's region bases as kvxfer's regions of this (the decode's) cache: its
-    /// regions must be ours one for one (the same model on the same vLLM overlays the same
-    /// layers), checked by count, by group marks and by layer names where both sides have
-    /// them. `names` are this cache's layer names per kvxfer region.
-    pub fn expand(&self, native: &Native, names: &[String]) -> Result<Vec<u64>, String> {
-        let theirs = &native.bases;
-        if theirs.len() != self.first.len() {
-            return Err(format!(
-                "the prefill registers {} regions, this decode {} (its layers share memory \
-                 otherwise: another model or another KV cache group layout)",
-                theirs.len(),
-                self.first.len()
-            ));
-        }
-        if let Some(groups) = &native.region_group_ids
-            && groups != &self.group_ids
-        {
-            return Err(format!(
-                "KV cache groups of the regions (vLLM's region_group_ids): local {:?}, remote {:?}",
-                first(&self.group_ids),
-                first(groups)
-            ));
-        }
-        if let Some(remote) = &native.region_names
-            && names.len() == self.region_of.len()
-        {
-            let local: Vec<&String> = self.first.iter().map(|&r| &names[r]).collect();
-            if let Some(s) = (0..local.len()).find(|&s| *local[s] != remote[s]) {
-                return Err(format!(
-                    "region {s} is layer {:?} on the prefill, {:?} here",
-                    remote[s], local[s]
-                ));
-            }
-        }
-        Ok(self.region_of.iter().map(|&s| theirs[s]).collect())
-    }
-}
-
-/// vLLM's name of a cache's layout: layers outermost (`LB..`) or blocks outermost (`BL..`,
-/// cross-layer), then heads before tokens (`HN`) or tokens before heads (`NH`).
-pub(super) fn layout_name(spec: &CacheSpec) -> &'static str {
-    match (spec.kind(), spec.order()) {
-        (CacheKind::CrossLayer, BlockOrder::Hnd) => "BLHNC",
-        (CacheKind::CrossLayer, BlockOrder::Nhd) => "BLNHC",
-        (_, BlockOrder::Hnd) => "LBHNC",
-        (_, BlockOrder::Nhd) => "LBNHC",
     }
 }
 
@@ -235,7 +73,7 @@ pub(super) fn stock_handshake(
     };
     let ours = compat.factors.hash();
     let limit = limit.min(MAX_PAYLOAD_BYTES);
-    let ranks = super::connect::prefill_ranks(mapping, my_rank)?;
+    let ranks = prefill_ranks(mapping, my_rank)?;
     let mut out = Vec::with_capacity(ranks.len());
     // The clock offset of the quickest round trip (the least uncertain), as vLLM keeps.
     let mut best: Option<(f64, f64)> = None;
@@ -275,395 +113,18 @@ pub(super) fn stock_handshake(
         if best.is_none_or(|(rtt, _)| sample.0 < rtt) {
             best = Some(sample);
         }
-        out.push((tp_rank, fetched(meta, at.tp_size)?));
+        let (meta, stock) = from_stock(meta, at.tp_size)?;
+        out.push((
+            tp_rank,
+            Fetched {
+                meta,
+                native: Some(stock),
+                clock_offset: None,
+            },
+        ));
     }
     for (_, f) in &mut out {
         f.clock_offset = best.map(|(_, offset)| offset);
     }
     Ok(out)
-}
-
-/// A stock rank's metadata in the form the connection is built from: the cache geometry as
-/// a reference peer's [`HandshakeMeta`], and the regions NIXL's blob covers.
-pub(super) fn fetched(m: AgentMetadata, tp_size: u32) -> Result<Fetched, String> {
-    let block_len = m.block_lens[0];
-    if m.block_lens.iter().any(|&l| l != block_len) || m.block_strides != m.block_lens {
-        return Err(format!(
-            "regions of uneven or strided blocks (lengths {:?}, strides {:?}) are not supported",
-            first(&m.block_lens),
-            first(&m.block_strides)
-        ));
-    }
-    if (0..m.kv_caches_base_addr.len()).any(|r| m.region_blocks(r) != m.num_blocks) {
-        return Err("regions with different block counts are not supported".into());
-    }
-    if m.dcp_size != 1 || m.pcp_size != 1 || m.physical_blocks_per_logical_kv_block != 1 {
-        return Err(format!(
-            "dcp_size {}, pcp_size {}, {} kernel blocks per block: kvxfer pulls plain blocks",
-            m.dcp_size, m.pcp_size, m.physical_blocks_per_logical_kv_block
-        ));
-    }
-    let mut regions = Vec::with_capacity(m.kv_caches_base_addr.len());
-    for (r, &base) in m.kv_caches_base_addr.iter().enumerate() {
-        let kind = match m.region_mem_types.as_ref().map(|t| t[r].as_str()) {
-            None | Some("DRAM") => MemoryKind::Host,
-            Some("VRAM") => MemoryKind::Gpu {
-                device: m.device_id,
-            },
-            Some(other) => return Err(format!("region {r}: memory type {other:?}")),
-        };
-        let len = m
-            .region_len(r)
-            .ok_or_else(|| format!("region {r} has no extent"))?;
-        regions.push((kind, AddrRange::new(base, len)));
-    }
-    let native = Native {
-        regions,
-        kv_cache_layout: m.kv_cache_layout,
-        block_size: m.block_size,
-        bases: m.kv_caches_base_addr.clone(),
-        region_group_ids: m.region_group_ids,
-        region_names: m.region_names,
-    };
-    Ok(Fetched {
-        meta: HandshakeMeta {
-            engine_id: m.engine_id,
-            agent_metadata: m.agent_metadata,
-            kv_caches_base_addr: m.kv_caches_base_addr,
-            num_blocks: m.num_blocks,
-            tp_size: u64::from(tp_size),
-            block_len,
-            attn_backend_name: m.attn_backend_name,
-            kvxfer_protocol: None,
-            kvxfer_tp_rank: None,
-            kvxfer_layout: None,
-            kvxfer_lease_ms: None,
-            kvxfer_instance: None,
-            kvxfer_stamps: None,
-            kvxfer_digests: None,
-        },
-        native: Some(native),
-        clock_offset: None,
-    })
-}
-
-/// Seconds before a stock prefill's block expiry a read is declined, as vLLM's decode does:
-/// room for the clock offset's error and the read itself.
-pub(super) const EXPIRY_MARGIN: f64 = 5.0;
-
-/// Why a read of blocks the prefill frees at `expiry` (its clock) must not start now, where
-/// `offset` is its clock minus ours: it could finish after they were freed and reused.
-pub(super) fn expired(expiry: f64, offset: f64, now: f64) -> Option<String> {
-    let deadline = expiry - offset;
-    (now + EXPIRY_MARGIN >= deadline).then(|| {
-        format!(
-            "the prefill frees these blocks in {:.1} s (its clock, offset {offset:+.3} s): too late to read them safely",
-            deadline - now
-        )
-    })
-}
-
-fn first<T>(v: &[T]) -> &[T] {
-    &v[..v.len().min(4)]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::wire::vllm::CompatFactors;
-    use kvxfer_layout::{CacheKind, CacheParams, CacheSpec, Dtype};
-
-    fn cache(order: BlockOrder) -> KvCache {
-        let spec = CacheSpec::new(CacheParams {
-            kind: CacheKind::PackedKv,
-            order,
-            dtype: Dtype::F32,
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 64,
-            tokens_per_block: 32,
-            num_blocks: 100,
-        })
-        .unwrap();
-        KvCache {
-            spec,
-            bases: vec![0x10_0000, 0x90_0000],
-            memory: MemoryKind::Host,
-            total_kv_heads: 2,
-            total_layers: 2,
-            first_layer: 0,
-            layer_windows: None,
-            groups: None,
-        }
-    }
-
-    fn compat(names: usize) -> VllmCompat {
-        VllmCompat {
-            factors: CompatFactors {
-                vllm_version: "0.32.0".into(),
-                nixl_connector_version: 14,
-                model: "m".into(),
-                dtype: "torch.float32".into(),
-                num_kv_heads: 2,
-                head_size: 64,
-                num_hidden_layers: 2,
-                attn_backend_name: "CPU_ATTN".into(),
-                cache_dtype: "auto".into(),
-                is_hma_enabled: true,
-                speculative_config: serde_json::Value::Null,
-                transfer_mode: "pull".into(),
-            },
-            enforce_hash: true,
-            region_names: (0..names)
-                .map(|i| format!("model.layers.{i}.self_attn.attn"))
-                .collect(),
-            serve_decodes: true,
-        }
-    }
-
-    /// What we serve is what a vLLM prefill of the same cache serves, and what we read back
-    /// from it is the same cache.
-    #[test]
-    fn the_served_payload_describes_the_cache_as_vllm_does_and_reads_back() {
-        let (c, v) = (cache(BlockOrder::Hnd), compat(2));
-        let config = PullConfig::new("prefill-7", 0, 1);
-        let bytes = stock_payload(&v, &c, &config, b"nixl-blob".to_vec());
-        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
-        assert_eq!(p.compatibility_hash, v.factors.hash());
-        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
-        assert_eq!(m.engine_id, "prefill-7");
-        assert_eq!(m.agent_metadata, b"nixl-blob");
-        assert_eq!(m.kv_caches_base_addr, c.bases);
-        assert_eq!((m.num_blocks, m.block_size, m.device_id), (100, 32, 0));
-        assert_eq!(m.block_lens, vec![32 * 1024; 2]);
-        assert_eq!(m.block_strides, m.block_lens);
-        assert_eq!(m.kv_cache_layout, "LBHNC");
-        assert_eq!(m.attn_backend_name, "CPU_ATTN");
-        assert_eq!(
-            m.region_names.as_ref().unwrap()[1],
-            "model.layers.1.self_attn.attn"
-        );
-        assert_eq!(m.region_mem_types, Some(vec!["DRAM".to_string(); 2]));
-        let f = fetched(m, 1).unwrap();
-        assert_eq!(f.meta.block_len, c.spec.block_len());
-        assert_eq!(f.meta.kv_caches_base_addr, c.bases);
-        let n = f.native.unwrap();
-        assert_eq!(
-            n.regions,
-            vec![
-                (MemoryKind::Host, AddrRange::new(0x10_0000, 100 * 32 * 1024)),
-                (MemoryKind::Host, AddrRange::new(0x90_0000, 100 * 32 * 1024)),
-            ]
-        );
-        assert_eq!((n.kv_cache_layout.as_str(), n.block_size), ("LBHNC", 32));
-        // Names that do not match the regions are left out rather than misattributed; NHD
-        // blocks are named as vLLM names them.
-        let bytes = stock_payload(&compat(1), &cache(BlockOrder::Nhd), &config, vec![1]);
-        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
-        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
-        assert_eq!(
-            (m.region_names, m.kv_cache_layout.as_str()),
-            (None, "LBNHC")
-        );
-    }
-
-    /// A hybrid cache: four layers, full attention (0, 2) and sliding window (1, 3), layer 1
-    /// over layer 0's memory and layer 3 over layer 2's, as vLLM's hybrid manager lays them.
-    fn hybrid() -> KvCache {
-        let mut c = cache(BlockOrder::Hnd);
-        c.spec = CacheSpec::new(CacheParams {
-            num_layers: 4,
-            ..*c.spec.params()
-        })
-        .unwrap();
-        c.bases = vec![0x10_0000, 0x10_0000, 0x90_0000, 0x90_0000];
-        c.total_layers = 4;
-        c.groups = Some(kvxfer_layout::LayerGroups::new(vec![vec![0, 2], vec![1, 3]], 4).unwrap());
-        c.check().unwrap();
-        c
-    }
-
-    /// vLLM registers overlaid memory once, marked -1 and named after its first layer; a
-    /// cache of one group keeps a region per kvxfer region, each in group 0.
-    #[test]
-    fn overlaid_regions_are_registered_once_as_vllm_does() {
-        let plain = StockRegions::of(&cache(BlockOrder::Hnd));
-        assert_eq!(
-            plain,
-            StockRegions {
-                first: vec![0, 1],
-                region_of: vec![0, 1],
-                group_ids: vec![0, 0],
-            }
-        );
-        let h = hybrid();
-        let stock = StockRegions::of(&h);
-        assert_eq!(
-            stock,
-            StockRegions {
-                first: vec![0, 2],
-                region_of: vec![0, 0, 1, 1],
-                group_ids: vec![-1, -1],
-            }
-        );
-        // Layers of one group each in a region of its own keep their group.
-        let mut apart = hybrid();
-        apart.bases = vec![0x10_0000, 0x90_0000, 0x110_0000, 0x190_0000];
-        assert_eq!(StockRegions::of(&apart).group_ids, vec![0, 1, 0, 1]);
-        // The payload served: two regions, the names of their first layers.
-        let bytes = stock_payload(&compat(4), &h, &PullConfig::new("p", 0, 1), vec![1]);
-        let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
-        let m = AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap();
-        assert_eq!(m.kv_caches_base_addr, vec![0x10_0000, 0x90_0000]);
-        assert_eq!(m.region_group_ids, Some(vec![-1, -1]));
-        assert_eq!(
-            m.region_names.clone().unwrap(),
-            vec![
-                "model.layers.0.self_attn.attn".to_string(),
-                "model.layers.2.self_attn.attn".to_string()
-            ]
-        );
-        assert_eq!(m.block_lens.len(), 2);
-        // Read back by a decode of the same model: one base per layer again.
-        let names = compat(4).region_names;
-        let f = fetched(m, 1).unwrap();
-        let n = f.native.unwrap();
-        assert_eq!(stock.expand(&n, &names).unwrap(), h.bases);
-    }
-
-    /// A stock prefill whose regions are not this decode's, one for one, is refused naming
-    /// what differs.
-    #[test]
-    fn a_stock_prefill_whose_regions_differ_is_refused_by_name() {
-        let h = hybrid();
-        let names = compat(4).region_names;
-        let native =
-            |bases: Vec<u64>, groups: Option<Vec<i64>>, names: Option<Vec<String>>| Native {
-                regions: Vec::new(),
-                kv_cache_layout: "LBHNC".into(),
-                block_size: 32,
-                bases,
-                region_group_ids: groups,
-                region_names: names,
-            };
-        let stock = StockRegions::of(&h);
-        let err = stock
-            .expand(&native(vec![1, 2, 3, 4], None, None), &names)
-            .unwrap_err();
-        assert!(err.contains("registers 4 regions, this decode 2"), "{err}");
-        let err = stock
-            .expand(&native(vec![1, 2], Some(vec![0, 1]), None), &names)
-            .unwrap_err();
-        assert!(err.contains("local [-1, -1], remote [0, 1]"), "{err}");
-        let swapped = vec![names[2].clone(), names[0].clone()];
-        let err = stock
-            .expand(
-                &native(vec![1, 2], Some(vec![-1, -1]), Some(swapped)),
-                &names,
-            )
-            .unwrap_err();
-        assert!(err.contains("region 0 is layer \"model.layers.2"), "{err}");
-        // Without group marks or names, the count decides; names are not compared where this
-        // decode has none.
-        assert_eq!(
-            stock
-                .expand(&native(vec![1, 2], None, None), &names)
-                .unwrap(),
-            vec![1, 1, 2, 2]
-        );
-        assert_eq!(
-            stock
-                .expand(
-                    &native(vec![1, 2], None, Some(vec!["x".into(), "y".into()])),
-                    &[]
-                )
-                .unwrap(),
-            vec![1, 1, 2, 2]
-        );
-    }
-
-    /// vLLM's names of its layouts: layers outermost for per-layer caches, blocks outermost
-    /// for cross-layer ones.
-    #[test]
-    fn layouts_are_named_as_vllm_names_them() {
-        let spec = |kind, order| {
-            CacheSpec::new(CacheParams {
-                kind,
-                order,
-                dtype: Dtype::F32,
-                num_layers: 2,
-                kv_heads: 2,
-                head_dim: 8,
-                tokens_per_block: 4,
-                num_blocks: 3,
-            })
-            .unwrap()
-        };
-        for (kind, order, name) in [
-            (CacheKind::PackedKv, BlockOrder::Hnd, "LBHNC"),
-            (CacheKind::PackedKv, BlockOrder::Nhd, "LBNHC"),
-            (CacheKind::SplitKv, BlockOrder::Hnd, "LBHNC"),
-            (CacheKind::CrossLayer, BlockOrder::Hnd, "BLHNC"),
-            (CacheKind::CrossLayer, BlockOrder::Nhd, "BLNHC"),
-        ] {
-            assert_eq!(layout_name(&spec(kind, order)), name, "{kind} {order}");
-        }
-    }
-
-    /// vLLM's rule: a read is declined when the deadline, on our clock, is within the margin.
-    #[test]
-    fn reads_too_close_to_the_prefills_expiry_are_declined() {
-        // Their clock runs 100 s ahead of ours: expiry 200 there is 100 here.
-        assert!(expired(200.0, 100.0, 94.0).is_none());
-        assert!(
-            expired(200.0, 100.0, 95.0).is_some(),
-            "exactly at the margin"
-        );
-        assert!(expired(200.0, 100.0, 99.0).unwrap().contains("1.0 s"));
-        assert!(
-            expired(200.0, -100.0, 250.0).is_none(),
-            "their clock behind ours"
-        );
-    }
-
-    #[test]
-    fn stock_geometry_kvxfer_cannot_read_as_is_is_refused() {
-        let base = || {
-            let bytes = stock_payload(
-                &compat(2),
-                &cache(BlockOrder::Hnd),
-                &PullConfig::new("p", 0, 1),
-                vec![1],
-            );
-            let p = HandshakePayload::decode(&bytes, 1 << 20).unwrap();
-            AgentMetadata::decode(&p.agent_metadata_bytes, 1 << 20).unwrap()
-        };
-        type Change = fn(&mut AgentMetadata);
-        let cases: [(&str, Change); 6] = [
-            ("uneven", |m| m.block_lens[1] = 16),
-            ("strided", |m| m.block_strides = vec![65536; 2]),
-            ("counts", |m| m.region_num_blocks = Some(vec![100, 50])),
-            ("dcp", |m| m.dcp_size = 2),
-            ("kernel blocks", |m| {
-                m.physical_blocks_per_logical_kv_block = 2
-            }),
-            ("memory", |m| {
-                m.region_mem_types = Some(vec!["DRAM".into(), "FILE".into()])
-            }),
-        ];
-        for (what, change) in cases {
-            let mut m = base();
-            change(&mut m);
-            assert!(fetched(m, 1).is_err(), "{what}");
-        }
-        let mut m = base();
-        m.region_mem_types = Some(vec!["VRAM".into(); 2]);
-        m.device_id = 3;
-        let n = fetched(m, 2).unwrap();
-        assert_eq!(n.meta.tp_size, 2);
-        assert_eq!(
-            n.native.unwrap().regions[0].0,
-            MemoryKind::Gpu { device: 3 }
-        );
-    }
 }
