@@ -167,34 +167,23 @@ class PullScheduler:
 FailedLoad = tuple[str, list[int], str, Literal["fail", "recompute"]]
 
 class PullWorker:
-    """One TP rank's worker. Settings left ``None`` keep kvxfer-core's defaults (side channel
-    ``127.0.0.1:5600``, lease 30 s, transfer timeout 30 s, handshake timeout 5 s)."""
+    """One TP rank's worker over the cache ``layout`` (the dict ``PushDecode`` and
+    ``PushPrefill`` take). Settings left ``None`` keep kvxfer-core's defaults
+    (``PullConfig::new``)."""
 
     def __init__(
         self,
         agent_name: str,
         transport: str,
+        layout: dict[str, Any],
         *,
         engine_id: str,
         tp_rank: int,
         tp_size: int,
-        kind: str,
-        order: str,
-        dtype: str,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        tokens_per_block: int,
-        num_blocks: int,
-        bases: list[int] | list[Any],
-        total_kv_heads: int,
-        total_layers: int,
-        first_layer: int = 0,
-        memory: str = "host",
-        side_channel_host: str | None = None,
-        side_channel_port: int | None = None,
         dp_rank_local: int = 0,
         backend_name: str = "kvxfer",
+        side_channel_host: str | None = None,
+        side_channel_port: int | None = None,
         lease: float | None = None,
         heartbeat_interval: float | None = None,
         transfer_timeout: float | None = None,
@@ -203,8 +192,6 @@ class PullWorker:
         enforce_compat: bool = True,
         prepared_lists: bool = True,
         vllm_compat: str | None = None,
-        groups: list[list[int]] | None = None,
-        state_groups: list[int] | None = None,
         digest: bool = False,
     ) -> None: ...
     def listener_port(self) -> int | None: ...

@@ -867,11 +867,16 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         self._worker = kvxfer.PullWorker(
             f"{self._engine_id}-{tp_rank}",
             transport,
+            dict(
+                layout,
+                total_kv_heads=total_kv_heads,
+                total_layers=model.hf_text_config.num_hidden_layers,
+                groups=groups,
+                state_groups=state_groups,
+            ),
             engine_id=self._engine_id,
             tp_rank=tp_rank,
             tp_size=par.tensor_parallel_size,
-            total_kv_heads=total_kv_heads,
-            total_layers=model.hf_text_config.num_hidden_layers,
             side_channel_host=self._host,
             side_channel_port=self._port,
             dp_rank_local=int(getattr(par, "data_parallel_rank_local", 0) or 0),
@@ -882,10 +887,7 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
             enforce_compat=bool(e["enforce_compat"]),
             vllm_compat=vllm_compat,
-            groups=groups,
-            state_groups=state_groups,
             digest=bool(e["digest"]),
-            **layout,
         )
         log.info(
             "kvxfer: registered %d layers in %d KV cache groups (%s %s, %d blocks) on port %s",

@@ -11,8 +11,8 @@ use crate::agent::memory_kind;
 use crate::errors::{InvalidArgumentError, LayoutError};
 use crate::memory::{Kept, base_of, check_host_mapped};
 
-/// The cache's description, field for field as the constructors take it.
-pub struct CacheArgs<'a, 'py> {
+/// The cache's description, field for field as the `layout` dict names it.
+struct CacheArgs<'a, 'py> {
     pub kind: &'a str,
     pub order: &'a str,
     pub dtype: &'a str,
@@ -31,7 +31,7 @@ pub struct CacheArgs<'a, 'py> {
 
 /// The checked cache: a valid spec, one base per region, host regions mapped read-write;
 /// objects given as bases are added to `keep`.
-pub fn build(a: CacheArgs<'_, '_>, keep: &mut Kept) -> PyResult<KvCache> {
+fn build(a: CacheArgs<'_, '_>, keep: &mut Kept) -> PyResult<KvCache> {
     let layout = |e: kvxfer_layout::LayoutError| LayoutError::new_err(e.to_string());
     let spec = CacheSpec::new(CacheParams {
         kind: a.kind.parse().map_err(layout)?,
@@ -156,7 +156,7 @@ pub fn from_dict(d: &Bound<'_, PyDict>, keep: &mut Kept) -> PyResult<KvCache> {
 
 /// Partitions the cache's layers into KV cache `groups` (a hybrid model; `None`: one
 /// group), `state_groups` of them holding state pages; checked against the layer count.
-pub fn set_groups(
+fn set_groups(
     cache: &mut KvCache,
     groups: Option<Vec<Vec<u32>>>,
     state_groups: Option<Vec<u32>>,

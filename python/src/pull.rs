@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 
 use crate::agent::transport_kind;
 use crate::args::{BlockIds, seconds, seconds_or_zero};
-use crate::cache::{self, CacheArgs};
+use crate::cache;
 use crate::errors::{self, InvalidArgumentError, LayoutError, ShutDownError, SideChannelError};
 use crate::memory::Kept;
 
@@ -191,44 +191,34 @@ impl PullWorker {
 
 #[pymethods]
 impl PullWorker {
-    /// Registers the cache (`bases`: one per region, each region `num_blocks * block_len`
-    /// bytes and mapped in this process: an address, or an object with `data_ptr()` or
-    /// `__array_interface__`, kept alive as long as the worker) and starts the listener.
+    /// Registers the cache `layout` (the dict `PushDecode` and `PushPrefill` take: `kind`,
+    /// `order`, `dtype`, `num_layers`, `kv_heads`, `head_dim`, `tokens_per_block`,
+    /// `num_blocks`, `bases`, `total_kv_heads`, `total_layers`, optional `first_layer`,
+    /// `memory`, `groups`, `state_groups`; `bases`: one per region, each region
+    /// `num_blocks * block_len` bytes and mapped in this process: an address, or an object
+    /// with `data_ptr()` or `__array_interface__`, kept alive as long as the worker) and
+    /// starts the listener. Settings left `None` keep the core's (`PullConfig::new`).
     #[new]
     #[pyo3(signature = (
-        agent_name, transport, *, engine_id, tp_rank, tp_size, kind, order, dtype, num_layers,
-        kv_heads, head_dim, tokens_per_block, num_blocks, bases, total_kv_heads, total_layers,
-        first_layer = 0, memory = "host", side_channel_host = None, side_channel_port = None,
-        dp_rank_local = 0, backend_name = "kvxfer", lease = None, heartbeat_interval = None,
-        transfer_timeout = None, handshake_timeout = None,
-        failure_policy = "fail", enforce_compat = true, prepared_lists = true, vllm_compat = None,
-        groups = None, state_groups = None, digest = false
+        agent_name, transport, layout, *, engine_id, tp_rank, tp_size, dp_rank_local = 0,
+        backend_name = "kvxfer", side_channel_host = None, side_channel_port = None,
+        lease = None, heartbeat_interval = None, transfer_timeout = None,
+        handshake_timeout = None, failure_policy = "fail", enforce_compat = true,
+        prepared_lists = true, vllm_compat = None, digest = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         agent_name: &str,
         transport: &str,
+        layout: &Bound<'_, PyDict>,
         engine_id: &str,
         tp_rank: u32,
         tp_size: u32,
-        kind: &str,
-        order: &str,
-        dtype: &str,
-        num_layers: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        tokens_per_block: u32,
-        num_blocks: u32,
-        bases: Vec<Bound<'_, PyAny>>,
-        total_kv_heads: u32,
-        total_layers: u32,
-        first_layer: u32,
-        memory: &str,
-        side_channel_host: Option<&str>,
-        side_channel_port: Option<u16>,
         dp_rank_local: u32,
         backend_name: &str,
+        side_channel_host: Option<&str>,
+        side_channel_port: Option<u16>,
         lease: Option<f64>,
         heartbeat_interval: Option<f64>,
         transfer_timeout: Option<f64>,
@@ -237,30 +227,10 @@ impl PullWorker {
         enforce_compat: bool,
         prepared_lists: bool,
         vllm_compat: Option<&str>,
-        groups: Option<Vec<Vec<u32>>>,
-        state_groups: Option<Vec<u32>>,
         digest: bool,
     ) -> PyResult<Self> {
         let mut keep = Kept::new();
-        let mut cache = cache::build(
-            CacheArgs {
-                kind,
-                order,
-                dtype,
-                num_layers,
-                kv_heads,
-                head_dim,
-                tokens_per_block,
-                num_blocks,
-                bases,
-                total_kv_heads,
-                total_layers,
-                first_layer,
-                memory,
-            },
-            &mut keep,
-        )?;
-        cache::set_groups(&mut cache, groups, state_groups)?;
+        let cache = cache::from_dict(layout, &mut keep)?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(InvalidArgumentError::new_err(format!(
                 "tp_rank {tp_rank} of tp_size {tp_size}"
@@ -277,12 +247,11 @@ impl PullWorker {
         }
         config.backend_name = backend_name.into();
         if let Some(s) = lease {
-            config.lease = seconds("lease", s)?;
+            config = config.with_lease(seconds("lease", s)?);
         }
-        config.heartbeat_interval = match heartbeat_interval {
-            Some(s) => seconds("heartbeat_interval", s)?,
-            None => config.lease / 6,
-        };
+        if let Some(s) = heartbeat_interval {
+            config.heartbeat_interval = seconds("heartbeat_interval", s)?;
+        }
         if let Some(s) = transfer_timeout {
             config.transfer_timeout = seconds("transfer_timeout", s)?;
         }

@@ -37,15 +37,33 @@ def cache(kind: str, seed: int | None, head_dim: int = HEAD_DIM) -> list[np.ndar
     ]
 
 
+# The keys of a worker's `layout` dict (the rest of `worker`'s keywords are settings).
+LAYOUT_KEYS = {
+    "kind",
+    "order",
+    "dtype",
+    "num_layers",
+    "kv_heads",
+    "head_dim",
+    "tokens_per_block",
+    "num_blocks",
+    "bases",
+    "total_kv_heads",
+    "total_layers",
+    "first_layer",
+    "memory",
+    "groups",
+    "state_groups",
+}
+
+
 def worker(
     role: str, transport: str, kind: str, arrays: list[np.ndarray], **kw: Any
 ) -> tuple[kvxfer.PullWorker, str]:
-    """A TP-1 worker over `arrays` (one per region); returns it and its engine id."""
+    """A TP-1 worker over `arrays` (one per region); returns it and its engine id. `kw` may
+    set layout keys and worker settings alike."""
     engine = f"{role}{next(_ids)}"
-    args: dict[str, Any] = dict(
-        engine_id=engine,
-        tp_rank=0,
-        tp_size=1,
+    layout: dict[str, Any] = dict(
         kind=kind,
         order="HND",
         dtype="f16",
@@ -57,10 +75,11 @@ def worker(
         bases=[int(a.__array_interface__["data"][0]) for a in arrays],
         total_kv_heads=HEADS,
         total_layers=LAYERS,
-        side_channel_port=0,
     )
-    args.update(kw)
-    return kvxfer.PullWorker(f"{engine}-0", transport, **args), engine
+    settings: dict[str, Any] = dict(engine_id=engine, tp_rank=0, tp_size=1, side_channel_port=0)
+    for k, v in kw.items():
+        (layout if k in LAYOUT_KEYS else settings)[k] = v
+    return kvxfer.PullWorker(f"{engine}-0", transport, layout, **settings), engine
 
 
 def poll(w: kvxfer.PullWorker, want: str, side: int) -> tuple[list[str], list[str], list[Any]]:

@@ -53,13 +53,11 @@ def worker(role: str, desc: dict[str, Any], heads: int = HEADS) -> kvxfer.PullWo
     return kvxfer.PullWorker(
         f"{role}-0",
         "loopback",
+        dict(desc, total_kv_heads=heads, total_layers=LAYERS),
         engine_id=role,
         tp_rank=0,
         tp_size=1,
-        total_kv_heads=heads,
-        total_layers=LAYERS,
         side_channel_port=0,
-        **desc,
     )
 
 

@@ -104,4 +104,12 @@ impl PullConfig {
             digest: false,
         }
     }
+
+    /// Sets the lease, and the heartbeat interval with it: a sixth of the lease, so that a
+    /// decode's heartbeats reach the prefill several times within each lease.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self.heartbeat_interval = lease / 6;
+        self
+    }
 }
