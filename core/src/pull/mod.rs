@@ -10,6 +10,7 @@ mod block_lists;
 mod config;
 pub mod digests;
 pub mod holds;
+pub mod loads;
 mod metrics;
 /// The notes between pull workers (in `wire`, with the other formats).
 pub use crate::wire::pull_notes as notify;

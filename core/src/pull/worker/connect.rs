@@ -13,7 +13,7 @@ use kvxfer_layout::{
 
 use super::prefill_ranks;
 use super::vllm::{StockPrefill, stock_handshake};
-use super::{Engine, Fetched, Outcome, PullWorker, RemoteRank};
+use super::{Connection, Fetched, Outcome, PullWorker, RemoteRank};
 use crate::pull::block_lists::{self, BlockLists};
 use crate::pull::scheduler::RecvRequest;
 use crate::sidechannel::fetch_metadata_for;
@@ -104,7 +104,6 @@ impl<T: Transport> PullWorker<T> {
 
     pub(super) fn on_handshake(&mut self, outcome: Outcome) {
         self.join_finished_handshakes();
-        let queued = self.queued.remove(&outcome.engine_id).unwrap_or_default();
         let clock_offset = outcome
             .result
             .as_ref()
@@ -124,31 +123,22 @@ impl<T: Transport> PullWorker<T> {
                     .tally(self.clock.now().saturating_sub(outcome.started));
                 tracing::info!(engine = %outcome.engine_id, ranks = ranks.len(), connect_ms, "connected to prefill engine");
                 self.note_instances(&outcome.engine_id, &ranks);
-                self.engines.insert(
-                    outcome.engine_id.clone(),
-                    Engine::Ready {
-                        mapping,
-                        ranks,
-                        clock_offset,
-                        used: self.clock.now(),
-                    },
-                );
-                for req in queued {
+                let conn = Connection {
+                    mapping,
+                    ranks,
+                    clock_offset,
+                    used: self.clock.now(),
+                };
+                for req in self.book.connected(&outcome.engine_id, conn) {
                     self.issue(req);
                 }
                 self.heartbeat(&outcome.engine_id);
             }
             Err(reason) => {
                 self.metrics.failed_handshakes.tally(1);
-                // Forget the engine so a later request tries again.
-                self.engines.remove(&outcome.engine_id);
                 tracing::warn!(engine = %outcome.engine_id, %reason, "handshake failed");
-                for req in queued {
-                    self.fail(
-                        req,
-                        format!("handshake with {} failed: {reason}", outcome.engine_id),
-                    );
-                }
+                // Forgotten, so that a later request tries again; its queued loads fail.
+                self.book.handshake_failed(&outcome.engine_id, &reason);
             }
         }
     }
@@ -439,7 +429,7 @@ impl<T: Transport> PullWorker<T> {
     /// Drops the cached connections whose peers the transport knows failed, for engines
     /// this worker is loading from (their loads then fail now instead of at a timeout).
     pub(super) fn check_loading_peers(&mut self) {
-        for e in self.engines_of(false) {
+        for e in self.book.engines_of(false) {
             self.drop_if_peer_failed(&e);
         }
     }
@@ -447,10 +437,11 @@ impl<T: Transport> PullWorker<T> {
     /// failed (a dead or restarted prefill): the next load handshakes again instead of
     /// posting to the old instance.
     pub(super) fn drop_if_peer_failed(&mut self, engine_id: &str) {
-        let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
+        let Some(conn) = self.book.connection(engine_id) else {
             return;
         };
-        let failed = ranks
+        let failed = conn
+            .ranks
             .iter()
             .find(|(_, r)| self.transport.peer_failed(r.peer))
             .map(|(rank, _)| *rank);
@@ -463,36 +454,25 @@ impl<T: Transport> PullWorker<T> {
     /// are cancelled and reported failed with their blocks, its peers and lists released,
     /// and the next load handshakes again. Nothing happens unless it is connected.
     pub(super) fn lose_engine(&mut self, engine_id: &str, reason: &str) {
-        if !matches!(self.engines.get(engine_id), Some(Engine::Ready { .. })) {
-            return;
-        }
-        let Some(Engine::Ready { ranks, .. }) = self.engines.remove(engine_id) else {
+        let Some((conn, doomed)) = self.book.lose(engine_id) else {
             return;
         };
         self.metrics.lost_connections.tally(1);
         tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
-        let doomed: Vec<String> = self
-            .loads
-            .iter()
-            .filter(|(_, l)| l.req.engine_id == engine_id)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in doomed {
-            if let Some(load) = self.loads.remove(&id) {
-                // Cancel before reporting: nothing may land in the blocks after the engine
-                // hears they are invalid. Release is bounded by the transport.
-                for (x, _) in load.xfers {
-                    let _ = self.transport.release(x);
-                }
-                self.scratch
-                    .give_back(load.checking.iter().map(|&(s, _)| s).collect());
-                let why = load.failed.unwrap_or_else(|| {
-                    format!("transfer failed: connection to {engine_id} lost: {reason}")
-                });
-                self.fail(load.req, why);
+        for load in doomed {
+            // Cancel before reporting: nothing may land in the blocks after the engine
+            // hears they are invalid. Release is bounded by the transport.
+            for (x, _) in load.xfers {
+                let _ = self.transport.release(x);
             }
+            self.scratch
+                .give_back(load.checking.iter().map(|&(s, _)| s).collect());
+            let why = load.failed.unwrap_or_else(|| {
+                format!("transfer failed: connection to {engine_id} lost: {reason}")
+            });
+            self.book.fail(load.req, why);
         }
-        for r in ranks.into_values() {
+        for r in conn.ranks.into_values() {
             self.forget_rank(&r);
         }
     }
@@ -503,28 +483,25 @@ impl<T: Transport> PullWorker<T> {
     /// so only its peers and lists go; a later request handshakes again.
     pub(super) fn close_unneeded(&mut self, busy: &[String], now: Duration) {
         for e in busy {
-            if let Some(Engine::Ready { used, .. }) = self.engines.get_mut(e) {
-                *used = now;
+            if let Some(conn) = self.book.connection_mut(e) {
+                conn.used = now;
             }
         }
         let idle = self.config.idle_engine_timeout;
         let closing: Vec<(String, &'static str)> = self
-            .engines
-            .iter()
-            .filter(|(id, _)| !busy.contains(id) && !self.queued.contains_key(*id))
-            .filter_map(|(id, e)| {
-                let Engine::Ready { ranks, used, .. } = e else {
-                    return None;
-                };
-                if ranks.values().any(|r| self.transport.peer_failed(r.peer)) {
+            .book
+            .connections()
+            .filter(|(id, _)| !busy.contains(id) && !self.book.has_queued(id))
+            .filter_map(|(id, c)| {
+                if c.ranks.values().any(|r| self.transport.peer_failed(r.peer)) {
                     return Some((id.clone(), "a rank failed"));
                 }
-                (now.saturating_sub(*used) >= idle).then(|| (id.clone(), "idle"))
+                (now.saturating_sub(c.used) >= idle).then(|| (id.clone(), "idle"))
             })
             .collect();
         for (id, why) in closing {
-            if let Some(Engine::Ready { ranks, .. }) = self.engines.remove(&id) {
-                for r in ranks.into_values() {
+            if let Some(conn) = self.book.close(&id) {
+                for r in conn.ranks.into_values() {
                     self.forget_rank(&r);
                 }
             }

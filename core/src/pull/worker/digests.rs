@@ -13,7 +13,7 @@ use kvxfer_layout::{CacheSpec, HeadSlice};
 
 use std::collections::HashMap;
 
-use super::{Engine, Load, PullError, PullWorker, RemoteRank, Verify};
+use super::{Load, PullError, PullWorker, RemoteRank, Verify};
 use crate::connector::KvCache;
 use crate::pull::digests::{DigestScratch, DigestTable};
 use crate::pull::scheduler::GroupPairs;
@@ -299,7 +299,8 @@ impl<T: Transport> PullWorker<T> {
             return Err("content digests are off".into());
         };
         let pairs = load.req.pairs(self.cache.group_count())?;
-        let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+        let Some(super::Connection { ranks, .. }) = self.book.connection(&load.req.engine_id)
+        else {
             return Err(format!("engine {} is not connected", load.req.engine_id));
         };
         let mut reads = Vec::new();
@@ -362,7 +363,7 @@ impl<T: Transport> PullWorker<T> {
             return;
         };
         for Outcome { req, mismatch } in d.finished() {
-            let Some(v) = self.loads.get_mut(&req).and_then(|l| l.verifying.as_mut()) else {
+            let Some(v) = self.book.load_mut(&req).and_then(|l| l.verifying.as_mut()) else {
                 continue;
             };
             v.parts = v.parts.saturating_sub(1);

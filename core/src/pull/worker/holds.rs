@@ -29,14 +29,14 @@ impl<T: Transport> PullWorker<T> {
                 self.metrics.digest_time.tally(start.elapsed());
             }
             self.stamps.set(h.stamp);
-            self.holds.hold(&h.req_id, now, &mut self.finished.sending);
+            self.holds.hold(&h.req_id, now, &mut self.sending);
         }
     }
 
     /// Clears the stamps of the requests about to be reported free, so that a decode reading
     /// their blocks from now on (the engine may reuse them) finds its reference refuted.
     pub(super) fn unstamp_freed(&mut self) {
-        for id in &self.finished.sending {
+        for id in &self.sending {
             if let Some(stamp) = self.stamped.remove(id) {
                 self.stamps.release(stamp);
             }
@@ -60,10 +60,7 @@ impl<T: Transport> PullWorker<T> {
                 tracing::debug!(from = %n.from, "note from an agent that never fetched our metadata dropped");
                 continue;
             }
-            if !self
-                .holds
-                .note(&n.from, &note, now, &mut self.finished.sending)
-            {
+            if !self.holds.note(&n.from, &note, now, &mut self.sending) {
                 self.metrics.refused_notes.tally(1);
             }
         }
@@ -71,7 +68,7 @@ impl<T: Transport> PullWorker<T> {
 
     pub(super) fn expire_leases(&mut self) {
         let now = self.clock.now();
-        let n = self.holds.expire(now, &mut self.finished.sending);
+        let n = self.holds.expire(now, &mut self.sending);
         self.metrics.expired_leases.tally(n);
     }
 }

@@ -19,8 +19,10 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvxfer_layout::{CacheSpec, LayerGroups, LayoutError, TpMapping, TransferPlan};
 
 use super::block_lists::BlockLists;
-use super::config::{FailurePolicy, PullConfig};
+use super::config::PullConfig;
 use super::holds::Holds;
+use super::loads::{Admission, InFlight, Loads};
+pub use super::loads::{FailedLoad, LoadRefused};
 use super::metrics::PullMetrics;
 use super::scheduler::{RecvRequest, StepMeta};
 use super::stamps::{Scratch, Stamp, StampTable};
@@ -47,28 +49,6 @@ pub enum PullError {
     /// The settings cannot work together, or not with this cache.
     #[error("configuration: {0}")]
     Config(String),
-}
-
-/// A load in the step metadata that was not started.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LoadRefused {
-    /// A load of this request id is already in flight (loading, waiting for its
-    /// handshake, or ended and not yet reported): the first one continues untouched.
-    #[error("a load of request {0} is already in flight")]
-    AlreadyInFlight(String),
-}
-
-/// A load that could not complete: its local blocks hold no valid data.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FailedLoad {
-    /// Request id.
-    pub req_id: String,
-    /// Local blocks whose content is invalid.
-    pub invalid_blocks: Vec<u32>,
-    /// Why.
-    pub reason: String,
-    /// What the engine should do.
-    pub policy: FailurePolicy,
 }
 
 /// What finished since the last step. Failed loads also appear in `recving`: the request
@@ -124,17 +104,15 @@ struct Fetched {
     clock_offset: Option<f64>,
 }
 
-enum Engine {
-    Handshaking,
-    Ready {
-        mapping: TpMapping,
-        ranks: HashMap<u32, RemoteRank>,
-        /// A stock prefill's clock minus ours (seconds), from its handshake reply.
-        clock_offset: Option<f64>,
-        /// When it was last needed: connected, or a request loading from or waiting for it
-        /// at a heartbeat tick.
-        used: Duration,
-    },
+/// A connected prefill engine, as the driver keeps it (the loads machine holds it).
+struct Connection {
+    mapping: TpMapping,
+    ranks: HashMap<u32, RemoteRank>,
+    /// A stock prefill's clock minus ours (seconds), from its handshake reply.
+    clock_offset: Option<f64>,
+    /// When it was last needed: connected, or a request loading from or waiting for it at a
+    /// heartbeat tick.
+    used: Duration,
 }
 
 struct Outcome {
@@ -166,6 +144,12 @@ struct Load {
     digesting: Option<Vec<digests::Landing>>,
     /// With content digests: the check of the blocks against the entries, once started.
     verifying: Option<digests::Verifying>,
+}
+
+impl InFlight for Load {
+    fn req(&self) -> &RecvRequest {
+        &self.req
+    }
 }
 
 impl Load {
@@ -205,18 +189,16 @@ pub struct PullWorker<T: Transport> {
     listener: Option<Listener>,
     /// Decode agents that fetched this rank's metadata: the only senders of notes counted.
     readers: Arc<KnownReaders>,
-    engines: HashMap<String, Engine>,
+    /// Decode side: the prefill engines, the loads queued, waiting and in flight, and what
+    /// the engine is told of them (the I/O-free machine this worker drives).
+    book: Loads<Connection, Load>,
     /// The last instance each (engine, rank) named in a handshake.
     instances: HashMap<(String, u32), u64>,
-    queued: HashMap<String, Vec<RecvRequest>>,
-    /// Requests waiting in the engine for blocks to load into, by request id: heartbeated
-    /// like loads (see [`StepMeta::wait`]).
-    waiting: HashMap<String, RecvRequest>,
-    loads: HashMap<String, Load>,
     holds: Holds,
     outcomes: (Sender<Outcome>, Receiver<Outcome>),
     threads: Vec<JoinHandle<()>>,
-    finished: Finished,
+    /// Prefill side: requests whose blocks may be freed, since the last step.
+    sending: Vec<String>,
     last_heartbeat: Duration,
     metrics: PullMetrics,
     unknown_notifications: u64,
@@ -242,7 +224,7 @@ pub struct PullWorker<T: Transport> {
 mod connect;
 mod digests;
 mod holds;
-mod loads;
+mod reads;
 mod vllm;
 
 use crate::tally::Tally;
@@ -319,20 +301,17 @@ impl<T: Transport> PullWorker<T> {
         let worker = PullWorker {
             transport,
             holds: Holds::new(config.lease),
+            book: Loads::new(config.failure_policy),
             config,
             cache,
             clock,
             registrations,
             listener: Some(listener),
             readers,
-            engines: HashMap::new(),
             instances: HashMap::new(),
-            queued: HashMap::new(),
-            waiting: HashMap::new(),
-            loads: HashMap::new(),
             outcomes: unbounded(),
             threads: Vec::new(),
-            finished: Finished::default(),
+            sending: Vec::new(),
             last_heartbeat: now,
             metrics: PullMetrics::default(),
             unknown_notifications: 0,
@@ -368,8 +347,9 @@ impl<T: Transport> PullWorker<T> {
     pub fn engine_lost(&mut self, engine_id: &str, reason: &str) {
         self.lose_engine(engine_id, reason);
         // The handshake itself runs on: its outcome serves the loads queued after this.
-        for req in self.queued.remove(engine_id).unwrap_or_default() {
-            self.fail(req, format!("prefill engine {engine_id} lost: {reason}"));
+        for req in self.book.take_queued(engine_id) {
+            self.book
+                .fail(req, format!("prefill engine {engine_id} lost: {reason}"));
         }
     }
     /// The port this rank's listener is bound to.
@@ -391,7 +371,7 @@ impl<T: Transport> PullWorker<T> {
     /// Loads whose blocks arrived and whose prefill had not yet started holding their
     /// reference when its stamp was read: they read the stamp again (tests).
     pub fn loads_awaiting_holds(&self) -> usize {
-        self.loads.values().filter(|l| l.hold_pending).count()
+        self.book.loads().filter(|l| l.hold_pending).count()
     }
     /// Handshake threads not yet joined: those still running, and any that ended since the
     /// last handshake started or answered (tests: flat however many handshakes ran).
@@ -421,48 +401,24 @@ impl<T: Transport> PullWorker<T> {
             self.await_load(wait);
         }
         for id in &meta.unwait {
-            self.waiting.remove(id);
+            self.book.unwait(id);
         }
         for req in &meta.recv {
-            self.waiting.remove(&req.req_id);
-            if self.in_flight(&req.req_id) {
-                self.metrics.refused_loads.tally(1);
-                refused.push(LoadRefused::AlreadyInFlight(req.req_id.clone()));
-                continue;
-            }
-            if let Some(why) = &req.refused {
-                // Nothing was posted: the load fails in this step, with its blocks.
-                self.metrics.failed_setups.tally(1);
-                self.fail(req.clone(), format!("unusable kv_transfer_params: {why}"));
-                continue;
-            }
+            // A connection the transport saw fail is dropped first: the load handshakes anew.
             self.drop_if_peer_failed(&req.engine_id);
-            match self.engines.get(&req.engine_id) {
-                Some(Engine::Ready { .. }) => self.issue(req.clone()),
-                Some(Engine::Handshaking) => self
-                    .queued
-                    .entry(req.engine_id.clone())
-                    .or_default()
-                    .push(req.clone()),
-                None => {
-                    self.engines
-                        .insert(req.engine_id.clone(), Engine::Handshaking);
-                    self.queued
-                        .entry(req.engine_id.clone())
-                        .or_default()
-                        .push(req.clone());
-                    self.spawn_handshake(req);
+            match self.book.admit(req) {
+                Admission::Refused(why) => {
+                    self.metrics.refused_loads.tally(1);
+                    refused.push(why);
                 }
+                Admission::Failed => self.metrics.failed_setups.tally(1),
+                Admission::Issue => self.issue(req.clone()),
+                Admission::Queued => {}
+                Admission::Handshake => self.spawn_handshake(req),
             }
         }
         self.heartbeat_new_waits(&meta.wait);
         refused
-    }
-    /// Whether a load of `req_id` started and the engine has not yet been told it ended.
-    fn in_flight(&self, req_id: &str) -> bool {
-        self.loads.contains_key(req_id)
-            || self.queued.values().flatten().any(|r| r.req_id == req_id)
-            || self.finished.recving.iter().any(|r| r == req_id)
     }
     /// Progresses everything and reports what finished since the last call.
     pub fn get_finished(&mut self) -> Finished {
@@ -487,7 +443,12 @@ impl<T: Transport> PullWorker<T> {
         }
         self.unstamp_freed();
         lap(t, "stamps");
-        std::mem::take(&mut self.finished)
+        let (recving, failed) = self.book.take_finished();
+        Finished {
+            sending: std::mem::take(&mut self.sending),
+            recving,
+            failed,
+        }
     }
     /// [`PullWorker::get_finished`], polling again every [`IDLE_POLL`] for up to `wait`
     /// while nothing finished and loads or holds are outstanding. For an engine step that
@@ -508,9 +469,7 @@ impl<T: Transport> PullWorker<T> {
     /// Loads or holds this worker still waits for.
     fn outstanding(&self) -> bool {
         !self.shut_down
-            && (!self.loads.is_empty()
-                || self.queued.values().any(|q| !q.is_empty())
-                || self.holds.held() > 0)
+            && (self.book.loading() > 0 || self.book.any_queued() || self.holds.held() > 0)
     }
     /// Releases every transfer, peer, listener and registration. Idempotent.
     pub fn shutdown(&mut self) {
@@ -522,7 +481,7 @@ impl<T: Transport> PullWorker<T> {
             // Their jobs read the cache: they end before the worker does.
             d.shutdown();
         }
-        for load in std::mem::take(&mut self.loads).into_values() {
+        for load in self.book.drain() {
             for (x, _) in load.xfers {
                 let _ = self.transport.release(x);
             }
@@ -531,11 +490,9 @@ impl<T: Transport> PullWorker<T> {
         for (_, stamp) in self.stamped.drain() {
             self.stamps.release(stamp);
         }
-        for engine in std::mem::take(&mut self.engines).into_values() {
-            if let Engine::Ready { ranks, .. } = engine {
-                for r in ranks.into_values() {
-                    self.forget_rank(&r);
-                }
+        for conn in self.book.drain_connections() {
+            for r in conn.ranks.into_values() {
+                self.forget_rank(&r);
             }
         }
         self.listener.take();
@@ -544,7 +501,7 @@ impl<T: Transport> PullWorker<T> {
             let _ = t.join();
         }
         self.registrations.clear();
-        self.queued.clear();
+        self.book.clear();
         self.holds.clear();
     }
 }

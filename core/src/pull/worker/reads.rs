@@ -1,4 +1,4 @@
-//! Decode-side loads: posting each request's READs (coalesced plans or prepared-list
+//! Decode-side READs: posting each load's READs (coalesced plans or prepared-list
 //! indices), polling them to completion or failure, and heartbeats for the prefill's leases.
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
@@ -8,7 +8,7 @@ use kvxfer_layout::{
     plan_token_transfer_into,
 };
 
-use super::{Engine, FailedLoad, Load, PullWorker, RemoteRank, Verify};
+use super::{Load, PullWorker, RemoteRank, Verify};
 use crate::connector::KvCache;
 use crate::connector::plan::{Grouped, Planned, Planner, Ranges};
 use crate::pull::block_lists;
@@ -21,7 +21,7 @@ impl<T: Transport> PullWorker<T> {
     pub(super) fn issue(&mut self, req: RecvRequest) {
         if let Some(why) = self.expired_at_prefill(&req) {
             self.metrics.expired_reads.tally(1);
-            self.fail(req, why);
+            self.book.fail(req, why);
             return;
         }
         let start = self.clock.now();
@@ -32,29 +32,26 @@ impl<T: Transport> PullWorker<T> {
                     .post_time
                     .tally(self.clock.now().saturating_sub(start));
                 if xfers.is_empty() {
-                    if !req.notify_only() {
-                        self.finished.recving.push(req.req_id.clone());
-                    }
+                    self.book.done(&req);
                 } else {
                     let posted = self.clock.now();
                     let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
                     let mut load = Load::new(req, xfers, None);
                     load.verify = verify;
-                    self.loads.insert(load.req.req_id.clone(), load);
+                    self.book.start(load);
                 }
             }
             Err((reason, posted)) => {
                 self.metrics.failed_setups.tally(1);
                 let engine_id = req.engine_id.clone();
                 if posted.is_empty() {
-                    self.fail(req, reason);
+                    self.book.fail(req, reason);
                 } else {
                     // READs posted before the failure may still land in the blocks: the load
                     // is reported failed once they ended (poll_loads), never before.
                     let now = self.clock.now();
                     let xfers = posted.into_iter().map(|x| (x, now)).collect();
-                    self.loads
-                        .insert(req.req_id.clone(), Load::new(req, xfers, Some(reason)));
+                    self.book.start(Load::new(req, xfers, Some(reason)));
                 }
                 self.drop_if_peer_failed(&engine_id);
             }
@@ -69,7 +66,8 @@ impl<T: Transport> PullWorker<T> {
         req: &RecvRequest,
         verify: &mut Vec<Verify>,
     ) -> Result<Vec<XferId>, (String, Vec<XferId>)> {
-        let Some(Engine::Ready { mapping, ranks, .. }) = self.engines.get(&req.engine_id) else {
+        let Some(super::Connection { mapping, ranks, .. }) = self.book.connection(&req.engine_id)
+        else {
             return Err((
                 format!("engine {} is not connected", req.engine_id),
                 Vec::new(),
@@ -244,27 +242,11 @@ impl<T: Transport> PullWorker<T> {
         }
         Ok(posted)
     }
-    pub(super) fn fail(&mut self, req: RecvRequest, reason: String) {
-        if req.notify_only() {
-            // The engine never waited for it: nothing to report, the prefill's lease ends
-            // the hold the note would have.
-            tracing::warn!(req = %req.req_id, engine = %req.engine_id, "read-done note for a prefix the engine held already not sent: {reason}");
-            return;
-        }
-        self.finished.recving.push(req.req_id.clone());
-        let invalid_blocks = req.all_local_blocks();
-        self.finished.failed.push(FailedLoad {
-            req_id: req.req_id,
-            invalid_blocks,
-            reason,
-            policy: self.config.failure_policy,
-        });
-    }
     pub(super) fn poll_loads(&mut self) {
         let now = self.clock.now();
         let mut ended = Vec::new();
         let mut lost: Vec<(String, String)> = Vec::new();
-        for (id, load) in &mut self.loads {
+        for (id, load) in self.book.loads_mut() {
             let had_failed = load.failed.is_some();
             // Stamp and digest READs are not counted with the data (`transfers`, `bytes`
             // neither).
@@ -317,7 +299,7 @@ impl<T: Transport> PullWorker<T> {
             }
         }
         for id in ended {
-            if let Some(load) = self.loads.remove(&id) {
+            if let Some(load) = self.book.take(&id) {
                 self.end_phase(load);
             }
         }
@@ -342,7 +324,7 @@ impl<T: Transport> PullWorker<T> {
         }
         if let Some(v) = &load.verifying {
             if v.parts > 0 {
-                self.loads.insert(load.req.req_id.clone(), load);
+                self.book.start(load);
                 return;
             }
             let mismatch = load.verifying.take().and_then(|v| v.mismatch);
@@ -390,7 +372,7 @@ impl<T: Transport> PullWorker<T> {
                 load.failed = Some(reason);
             }
             if !load.xfers.is_empty() || (load.failed.is_none() && !load.verify.is_empty()) {
-                self.loads.insert(load.req.req_id.clone(), load);
+                self.book.start(load);
                 return;
             }
         }
@@ -404,7 +386,7 @@ impl<T: Transport> PullWorker<T> {
                     let now = self.clock.now();
                     let since = *load.stamp_wait.get_or_insert(now);
                     if now.saturating_sub(since) <= self.config.transfer_timeout {
-                        self.loads.insert(load.req.req_id.clone(), load);
+                        self.book.start(load);
                         return;
                     }
                     load.failed = Some(format!(
@@ -418,7 +400,7 @@ impl<T: Transport> PullWorker<T> {
                 }
             }
             if !load.xfers.is_empty() {
-                self.loads.insert(load.req.req_id.clone(), load);
+                self.book.start(load);
                 return;
             }
             if let Some(landed) = load.digesting.take() {
@@ -435,8 +417,8 @@ impl<T: Transport> PullWorker<T> {
             self.send_read_done(&load.req, &v);
         }
         match load.failed {
-            None => self.finished.recving.push(load.req.req_id),
-            Some(reason) => self.fail(load.req, reason),
+            None => self.book.done(&load.req),
+            Some(reason) => self.book.fail(load.req, reason),
         }
     }
 
@@ -450,7 +432,8 @@ impl<T: Transport> PullWorker<T> {
         let Some(slots) = self.scratch.take(load.verify.len()) else {
             return Ok(false);
         };
-        let Some(Engine::Ready { ranks, .. }) = self.engines.get(&load.req.engine_id) else {
+        let Some(super::Connection { ranks, .. }) = self.book.connection(&load.req.engine_id)
+        else {
             self.scratch.give_back(slots);
             return Err(format!("engine {} is not connected", load.req.engine_id));
         };
@@ -539,8 +522,8 @@ impl<T: Transport> PullWorker<T> {
     /// The read-done note of a rank whose stamp confirmed the hold: the prefill may free the
     /// blocks now. A note that cannot be sent leaves them to the prefill's lease.
     fn send_read_done(&mut self, req: &RecvRequest, v: &Verify) {
-        let peer = match self.engines.get(&req.engine_id) {
-            Some(Engine::Ready { ranks, .. }) => ranks.get(&v.rank).map(|r| r.peer),
+        let peer = match self.book.connection(&req.engine_id) {
+            Some(c) => c.ranks.get(&v.rank).map(|r| r.peer),
             _ => None,
         };
         let sent = peer.map(|p| self.transport.send_notification(p, &v.note));
@@ -554,25 +537,16 @@ impl<T: Transport> PullWorker<T> {
     /// offset, falls within [`super::vllm::EXPIRY_MARGIN`] of now: reading could race the free.
     fn expired_at_prefill(&self, req: &RecvRequest) -> Option<String> {
         let expiry = req.remote_expiry.as_ref()?.as_f64()?;
-        let Some(Engine::Ready { clock_offset, .. }) = self.engines.get(&req.engine_id) else {
-            return None;
-        };
-        crate::wire::vllm_peer::expired(
-            expiry,
-            (*clock_offset)?,
-            crate::sidechannel::monotonic_seconds(),
-        )
+        let offset = self.book.connection(&req.engine_id)?.clock_offset?;
+        crate::wire::vllm_peer::expired(expiry, offset, crate::sidechannel::monotonic_seconds())
     }
 
     /// Notes a request waiting for blocks, so that its prefill's lease is heartbeated, and
     /// handshakes with the prefill ahead of the load, as vLLM's decode does: a heartbeat
     /// needs the connection, and the load will too.
     pub(super) fn await_load(&mut self, wait: &RecvRequest) {
-        self.waiting.insert(wait.req_id.clone(), wait.clone());
         self.drop_if_peer_failed(&wait.engine_id);
-        if !self.engines.contains_key(&wait.engine_id) {
-            self.engines
-                .insert(wait.engine_id.clone(), super::Engine::Handshaking);
+        if self.book.wait(wait) {
             self.spawn_handshake(wait);
         }
     }
@@ -581,10 +555,7 @@ impl<T: Transport> PullWorker<T> {
     /// finished is already spent from their leases.
     pub(super) fn heartbeat_new_waits(&mut self, waits: &[RecvRequest]) {
         let mut by_engine: Vec<(String, Vec<String>)> = Vec::new();
-        for w in waits
-            .iter()
-            .filter(|w| self.waiting.contains_key(&w.req_id))
-        {
+        for w in waits.iter().filter(|w| self.book.is_waiting(&w.req_id)) {
             let id = w.remote_req_id.clone();
             match by_engine.iter_mut().find(|(e, _)| *e == w.engine_id) {
                 Some((_, ids)) => ids.push(id),
@@ -604,33 +575,19 @@ impl<T: Transport> PullWorker<T> {
             return;
         }
         self.last_heartbeat = now;
-        let busy = self.engines_of(true);
+        let busy = self.book.engines_of(true);
         for engine_id in &busy {
             self.heartbeat(engine_id);
         }
         self.close_unneeded(&busy, now);
     }
-    /// The engines that requests load from (and, with `waiting`, wait to), each once.
-    pub(super) fn engines_of(&self, waiting: bool) -> Vec<String> {
-        let waits = self.waiting.values().filter(|_| waiting);
-        let mut engines: Vec<String> = self
-            .loads
-            .values()
-            .map(|l| &l.req)
-            .chain(waits)
-            .map(|r| r.engine_id.clone())
-            .collect();
-        engines.sort_unstable();
-        engines.dedup();
-        engines
-    }
     /// Heartbeats every request loading or waiting to load from `engine_id`, now. Also called
     /// as the connection is made: the time its requests waited for it is already spent from
     /// their leases.
     pub(super) fn heartbeat(&mut self, engine_id: &str) {
-        let reqs = self.loads.values().map(|l| &l.req);
-        let ids: Vec<String> = reqs
-            .chain(self.waiting.values())
+        let ids: Vec<String> = self
+            .book
+            .requests(true)
             .filter(|r| r.engine_id == engine_id)
             .map(|r| r.remote_req_id.clone())
             .collect();
@@ -642,10 +599,10 @@ impl<T: Transport> PullWorker<T> {
     /// `engine_id` that keeps leases: a stock vLLM rank gets one `HB:` note naming all of
     /// them, a kvxfer rank one note each.
     fn send_heartbeat(&mut self, engine_id: &str, ids: &[&str]) {
-        let Some(Engine::Ready { ranks, .. }) = self.engines.get(engine_id) else {
+        let Some(conn) = self.book.connection(engine_id) else {
             return;
         };
-        for rank in ranks.values().filter(|r| r.lease_aware) {
+        for rank in conn.ranks.values().filter(|r| r.lease_aware) {
             let notes: Vec<Vec<u8>> = if rank.stock {
                 let (note, left_out) = notify::vllm_heartbeat(ids);
                 if !left_out.is_empty() {
