@@ -10,7 +10,7 @@ use kvxfer_core::connector::KvCache;
 use kvxfer_core::push::messages::BufferWire;
 use kvxfer_core::push::{
     BootstrapRegistry, PrefillDirectory, PushBuffers, PushDecode, PushDecodeConfig, PushPrefill,
-    PushPrefillConfig, RoomStatus, StateKind,
+    PushPrefillConfig, RoomStatus, Rooms, StateKind,
 };
 use kvxfer_core::{MemoryKind, Transport};
 use kvxfer_layout::{PpSplit, Side, TpMapping};
@@ -335,11 +335,12 @@ pub fn poll_until<T: Transport>(
 ) {
     let start = Instant::now();
     loop {
+        // Through the room API both sides share, as the Python binding drives them.
         for r in &mut pre.ranks {
-            r.poll();
+            Rooms::poll(r);
         }
         for r in &mut dec.ranks {
-            r.poll();
+            Rooms::poll(r);
         }
         if done(pre, dec) {
             return;
@@ -354,13 +355,12 @@ pub fn poll_until<T: Transport>(
 
 /// Whether every prefill and decode rank holds `room` in a final status.
 pub fn settled<T: Transport>(pre: &PrefillSide<T>, dec: &DecodeSide<T>, room: u64) -> bool {
-    pre.ranks
-        .iter()
-        .all(|p| p.status(room).is_some_and(|s| s.is_final()))
-        && dec
-            .ranks
+    fn all_final<R: Rooms>(ranks: &[R], room: u64) -> bool {
+        ranks
             .iter()
-            .all(|d| d.status(room).is_some_and(|s| s.is_final()))
+            .all(|r| r.status(room).is_some_and(|s| s.is_final()))
+    }
+    all_final(&pre.ranks, room) && all_final(&dec.ranks, room)
 }
 
 /// Runs one room: decode ranks ask for `dst` pages (aux `aux`, state `state.1`), prefill

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvxfer_core::clock::{Clock, ManualClock};
-use kvxfer_core::push::{RoomStatus, StateKind};
+use kvxfer_core::push::{RoomStatus, Rooms, StateKind};
 use kvxfer_layout::{BlockOrder, Dtype};
 
 use crate::conformance::TransportFactory;
@@ -499,13 +499,25 @@ pub fn abort_reaches_the_other_side<F: TransportFactory>(f: &F) {
             .all(|&r| pre.ranks[0].status(r) == Some(RoomStatus::WaitingForInput))
     });
     // Decode aborts room 1: the prefill fails it. Prefill aborts room 2: the decode fails it.
-    dec.ranks[0].abort(1);
-    pre.ranks[0].abort(2);
+    // Through the room API both sides share (`Rooms`), as the Python binding calls it.
+    Rooms::abort(&mut dec.ranks[0], 1);
+    Rooms::abort(&mut pre.ranks[0], 2);
     poll_until(&mut pre, &mut dec, |pre, dec| {
         pre.ranks[0].status(1) == Some(RoomStatus::Failed)
             && dec.ranks[0].status(2) == Some(RoomStatus::Failed)
     });
     dec.mem[0].kv.verify(&[]).expect("nothing moved");
+    for room in [1, 2] {
+        assert!(
+            Rooms::error(&pre.ranks[0], room).is_some(),
+            "prefill {room}"
+        );
+        assert!(Rooms::error(&dec.ranks[0], room).is_some(), "decode {room}");
+        Rooms::remove_room(&mut pre.ranks[0], room);
+        Rooms::remove_room(&mut dec.ranks[0], room);
+        assert_eq!(Rooms::status(&pre.ranks[0], room), None);
+        assert_eq!(Rooms::status(&dec.ranks[0], room), None);
+    }
 }
 
 /// A prefill restarted at the same registry address serves new rooms; the decode registers
