@@ -37,33 +37,18 @@ def cache(kind: str, seed: int | None, head_dim: int = HEAD_DIM) -> list[np.ndar
     ]
 
 
-# The keys of a worker's `layout` dict (the rest of `worker`'s keywords are settings).
-LAYOUT_KEYS = {
-    "kind",
-    "order",
-    "dtype",
-    "num_layers",
-    "kv_heads",
-    "head_dim",
-    "tokens_per_block",
-    "num_blocks",
-    "bases",
-    "total_kv_heads",
-    "total_layers",
-    "first_layer",
-    "memory",
-    "groups",
-    "state_groups",
-}
-
-
 def worker(
-    role: str, transport: str, kind: str, arrays: list[np.ndarray], **kw: Any
+    role: str,
+    transport: str,
+    kind: str,
+    arrays: list[np.ndarray],
+    layout: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> tuple[kvxfer.PullWorker, str]:
-    """A TP-1 worker over `arrays` (one per region); returns it and its engine id. `kw` may
-    set layout keys and worker settings alike."""
+    """A TP-1 worker over `arrays` (one per region); returns it and its engine id. `layout`
+    overrides keys of the cache's layout dict, `settings` the worker's."""
     engine = f"{role}{next(_ids)}"
-    layout: dict[str, Any] = dict(
+    desc: dict[str, Any] = dict(
         kind=kind,
         order="HND",
         dtype="f16",
@@ -76,10 +61,10 @@ def worker(
         total_kv_heads=HEADS,
         total_layers=LAYERS,
     )
-    settings: dict[str, Any] = dict(engine_id=engine, tp_rank=0, tp_size=1, side_channel_port=0)
-    for k, v in kw.items():
-        (layout if k in LAYOUT_KEYS else settings)[k] = v
-    return kvxfer.PullWorker(f"{engine}-0", transport, layout, **settings), engine
+    desc.update(layout or {})
+    args: dict[str, Any] = dict(engine_id=engine, tp_rank=0, tp_size=1, side_channel_port=0)
+    args.update(settings)
+    return kvxfer.PullWorker(f"{engine}-0", transport, desc, **args), engine
 
 
 def poll(w: kvxfer.PullWorker, want: str, side: int) -> tuple[list[str], list[str], list[Any]]:
@@ -163,7 +148,7 @@ def test_a_second_load_of_a_request_in_flight_is_refused() -> None:
 
 def test_incompatible_prefill_fails_the_load_naming_the_mismatch() -> None:
     src, dst = cache("split-kv", 20, head_dim=8), cache("split-kv", None)
-    p, p_engine = worker("P", "loopback", "split-kv", src, head_dim=8)
+    p, p_engine = worker("P", "loopback", "split-kv", src, {"head_dim": 8})
     d, _ = worker("D", "loopback", "split-kv", dst)
     _, params = hand_off(p, p_engine, [0])
     dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
@@ -236,14 +221,14 @@ def test_bad_worker_arguments_raise() -> None:
     with pytest.raises(kvxfer.LayoutError):
         worker("X", "loopback", "sideways", good)
     with pytest.raises(kvxfer.LayoutError):
-        worker("X", "loopback", "split-kv", good, dtype="f13")
+        worker("X", "loopback", "split-kv", good, {"dtype": "f13"})
     with pytest.raises(kvxfer.LayoutError):
-        worker("X", "loopback", "split-kv", good, num_blocks=0)
+        worker("X", "loopback", "split-kv", good, {"num_blocks": 0})
     with pytest.raises(kvxfer.InvalidMemoryError):
-        worker("X", "loopback", "split-kv", good, bases=[8, 8, 8, 8])
+        worker("X", "loopback", "split-kv", good, {"bases": [8, 8, 8, 8]})
     small = [np.zeros(100, dtype=np.uint8) for _ in range(4)]
     with pytest.raises(kvxfer.InvalidMemoryError):
-        worker("X", "loopback", "split-kv", small, num_blocks=1 << 20)  # regions overrun
+        worker("X", "loopback", "split-kv", small, {"num_blocks": 1 << 20})  # regions overrun
     with pytest.raises(kvxfer.InvalidArgumentError):
         worker("X", "loopback", "split-kv", good, failure_policy="pray")
     with pytest.raises(kvxfer.InvalidArgumentError):
@@ -289,7 +274,7 @@ def test_arrays_given_as_bases_live_as_long_as_the_worker() -> None:
     and they go with the worker. An array smaller than a region is refused."""
     arrays = cache("split-kv", seed=3)
     refs = [weakref.ref(a) for a in arrays]
-    w, _ = worker("keep", "loopback", "split-kv", arrays, bases=list(arrays))
+    w, _ = worker("keep", "loopback", "split-kv", arrays, {"bases": list(arrays)})
     del arrays
     gc.collect()
     assert all(r() is not None for r in refs), "freed while registered"
@@ -300,4 +285,4 @@ def test_arrays_given_as_bases_live_as_long_as_the_worker() -> None:
     short = cache("split-kv", seed=None)
     short[1] = short[1][:-1]
     with pytest.raises(kvxfer.InvalidArgumentError, match="exceeds the object's"):
-        worker("keep-short", "loopback", "split-kv", short, bases=list(short))
+        worker("keep-short", "loopback", "split-kv", short, {"bases": list(short)})
