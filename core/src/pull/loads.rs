@@ -508,10 +508,39 @@ mod tests {
         assert!(m.engines_of(false).is_empty());
         assert_eq!(m.requests(true).count(), 2);
         m.unwait("b");
+        assert!(!m.is_waiting("b") && m.is_waiting("a"));
         assert_eq!(m.admit(&req("a", "e")), Admission::Queued);
         assert!(!m.is_waiting("a"));
         assert!(m.wait(&req("c", "f")));
         m.clear();
         assert!(!m.is_waiting("c") && !m.any_queued());
+    }
+
+    /// The driver reaches the state it keeps in the machine: each connection and each load
+    /// in flight, to read and to change.
+    #[test]
+    fn the_driver_reaches_its_connection_and_load_state() {
+        let mut m = machine();
+        assert!(m.connection_mut("e").is_none());
+        m.connected("e", 1);
+        *m.connection_mut("e").expect("connected") = 5;
+        assert_eq!(m.connection("e"), Some(&5));
+        assert_eq!(m.admit(&req("x", "f")), Admission::Handshake);
+        assert!(m.connection_mut("f").is_none(), "still handshaking");
+        let conns: Vec<(String, u32)> = m.connections().map(|(e, c)| (e.clone(), *c)).collect();
+        assert_eq!(conns, [("e".to_string(), 5)]);
+        assert_eq!(m.loading(), 0);
+        m.start(Load(req("a", "e")));
+        m.start(Load(req("b", "e")));
+        assert_eq!(m.loading(), 2);
+        assert!(m.load_mut("zz").is_none());
+        m.load_mut("a").expect("in flight").0.port = 7;
+        assert_eq!(m.loads().filter(|l| l.0.port == 7).count(), 1);
+        for (id, l) in m.loads_mut() {
+            assert_eq!(id, &l.0.req_id);
+            l.0.port = 9;
+        }
+        assert_eq!(m.loads().filter(|l| l.0.port == 9).count(), 2);
+        assert_eq!(m.drain_connections(), [5]);
     }
 }
