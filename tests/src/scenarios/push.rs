@@ -500,6 +500,10 @@ pub fn abort_reaches_the_other_side<F: TransportFactory>(f: &F) {
     });
     // Decode aborts room 1: the prefill fails it. Prefill aborts room 2: the decode fails it.
     // Through the room API both sides share (`Rooms`), as the Python binding calls it.
+    for room in [1, 2] {
+        assert_eq!(Rooms::error(&pre.ranks[0], room), None, "prefill {room}");
+        assert_eq!(Rooms::error(&dec.ranks[0], room), None, "decode {room}");
+    }
     Rooms::abort(&mut dec.ranks[0], 1);
     Rooms::abort(&mut pre.ranks[0], 2);
     poll_until(&mut pre, &mut dec, |pre, dec| {
