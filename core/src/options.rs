@@ -6,6 +6,8 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
+use std::time::Duration;
+
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -230,6 +232,23 @@ impl ConnectorOptions {
         Ok(o)
     }
 
+    /// A pull worker's settings as these options give them, over `config`'s: its side
+    /// channel, lease (and the heartbeat with it), transfer and handshake timeouts,
+    /// compatibility enforcement and content digests. The one place the connector's options
+    /// become a [`PullConfig`]; a duration these options cannot hold keeps `config`'s.
+    pub fn pull_config(&self, config: PullConfig) -> PullConfig {
+        let secs = |s: f64, or: Duration| Duration::try_from_secs_f64(s).unwrap_or(or);
+        let lease = secs(self.lease, config.lease);
+        let mut c = config.with_lease(lease);
+        c.side_channel_host = self.side_channel_host.clone();
+        c.side_channel_port = self.side_channel_port;
+        c.transfer_timeout = secs(self.transfer_timeout, c.transfer_timeout);
+        c.handshake_timeout = secs(self.handshake_timeout, c.handshake_timeout);
+        c.enforce_compat = self.enforce_compat;
+        c.digest = self.digest;
+        c
+    }
+
     /// The options as JSON (every key, defaults filled in).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
@@ -298,6 +317,51 @@ fn seconds(v: &Value, lo: f64, hi: f64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The worker's settings come from the options, defaults and all; nothing else changes.
+    #[test]
+    fn the_pull_workers_settings_come_from_the_options() {
+        let base = PullConfig::new("e", 1, 2);
+        let same = ConnectorOptions::default().pull_config(base.clone());
+        assert_eq!(
+            format!("{same:?}"),
+            format!("{base:?}"),
+            "defaults are the core's"
+        );
+        let o = ConnectorOptions::parse(
+            r#"{"side_channel_host": "10.0.0.1", "side_channel_port": 0, "lease": 12,
+                "transfer_timeout": 7.5, "handshake_timeout": 2, "enforce_compat": false,
+                "digest": true}"#,
+            Flow::Pull,
+        )
+        .unwrap();
+        let c = o.pull_config(base.clone());
+        assert_eq!(
+            (c.side_channel_host.as_str(), c.side_channel_port),
+            ("10.0.0.1", 0)
+        );
+        assert_eq!(
+            (c.lease, c.heartbeat_interval),
+            (Duration::from_secs(12), Duration::from_secs(2))
+        );
+        assert_eq!(c.transfer_timeout, Duration::from_millis(7500));
+        assert_eq!(c.handshake_timeout, Duration::from_secs(2));
+        assert!(!c.enforce_compat && c.digest);
+        assert_eq!((c.engine_id.as_str(), c.tp_rank, c.tp_size), ("e", 1, 2));
+        // Values no duration holds (only a caller filling the fields itself can make them)
+        // keep the config's.
+        let bad = ConnectorOptions {
+            lease: -1.0,
+            transfer_timeout: f64::NAN,
+            handshake_timeout: f64::INFINITY,
+            ..ConnectorOptions::default()
+        };
+        let c = bad.pull_config(base.clone());
+        assert_eq!(
+            (c.lease, c.transfer_timeout, c.handshake_timeout),
+            (base.lease, base.transfer_timeout, base.handshake_timeout)
+        );
+    }
 
     #[test]
     fn defaults_are_the_connectors_own() {

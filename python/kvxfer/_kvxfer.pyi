@@ -168,8 +168,9 @@ FailedLoad = tuple[str, list[int], str, Literal["fail", "recompute"]]
 
 class PullWorker:
     """One TP rank's worker over the cache ``layout`` (the dict ``PushDecode`` and
-    ``PushPrefill`` take). Settings left ``None`` keep kvxfer-core's defaults
-    (``PullConfig::new``)."""
+    ``PushPrefill`` take). ``options`` is ``kv_connector_extra_config`` as JSON (checked as
+    ``KvxferConnector`` checks it; the worker reads its side channel, lease, timeouts,
+    ``enforce_compat`` and ``digest``); what it leaves out keeps kvxfer-core's defaults."""
 
     def __init__(
         self,
@@ -180,19 +181,13 @@ class PullWorker:
         engine_id: str,
         tp_rank: int,
         tp_size: int,
+        options: str | None = None,
         dp_rank_local: int = 0,
         backend_name: str = "kvxfer",
-        side_channel_host: str | None = None,
-        side_channel_port: int | None = None,
-        lease: float | None = None,
         heartbeat_interval: float | None = None,
-        transfer_timeout: float | None = None,
-        handshake_timeout: float | None = None,
         failure_policy: Literal["fail", "recompute"] = "fail",
-        enforce_compat: bool = True,
         prepared_lists: bool = True,
         vllm_compat: str | None = None,
-        digest: bool = False,
     ) -> None: ...
     def listener_port(self) -> int | None: ...
     def instance(self) -> int: ...

@@ -511,6 +511,8 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None  # the base class raised otherwise
         opts = connector_options(ktc.kv_connector_extra_config, "pull")
+        # As given: the worker reads its settings from it in the core.
+        self._extra_json = json.dumps(dict(ktc.kv_connector_extra_config or {}))
         self._engine_id = str(ktc.engine_id)
         self._host = str(opts["side_channel_host"])
         self._port = int(opts["side_channel_port"])
@@ -877,17 +879,11 @@ class KvxferConnector(StatsHooks, KVConnectorBase_V1, SupportsHMA):
             engine_id=self._engine_id,
             tp_rank=tp_rank,
             tp_size=par.tensor_parallel_size,
-            side_channel_host=self._host,
-            side_channel_port=self._port,
+            options=self._extra_json,
             dp_rank_local=int(getattr(par, "data_parallel_rank_local", 0) or 0),
             backend_name="vllm-packed-kv",
-            lease=float(e["lease"]),
-            transfer_timeout=float(e["transfer_timeout"]),
-            handshake_timeout=float(e["handshake_timeout"]),
             failure_policy="recompute" if self._failure_policy == "recompute" else "fail",
-            enforce_compat=bool(e["enforce_compat"]),
             vllm_compat=vllm_compat,
-            digest=bool(e["digest"]),
         )
         log.info(
             "kvxfer: registered %d layers in %d KV cache groups (%s %s, %d blocks) on port %s",

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvxfer::AnyTransport;
 use kvxfer_core::clock::SystemClock;
+use kvxfer_core::options::{ConnectorOptions, Flow};
 use kvxfer_core::pull;
 use kvxfer_core::pull::{FailurePolicy, PullConfig, PullMetrics, StepMeta};
 use kvxfer_core::wire::params::KvTransferParams;
@@ -197,14 +198,14 @@ impl PullWorker {
     /// `memory`, `groups`, `state_groups`; `bases`: one per region, each region
     /// `num_blocks * block_len` bytes and mapped in this process: an address, or an object
     /// with `data_ptr()` or `__array_interface__`, kept alive as long as the worker) and
-    /// starts the listener. Settings left `None` keep the core's (`PullConfig::new`).
+    /// starts the listener. `options`: `kv_connector_extra_config` as JSON (KvxferConnector's
+    /// keys, checked as the connector checks them; the worker reads its side channel, lease,
+    /// timeouts, `enforce_compat` and `digest`); what it leaves out keeps the core's defaults.
     #[new]
     #[pyo3(signature = (
-        agent_name, transport, layout, *, engine_id, tp_rank, tp_size, dp_rank_local = 0,
-        backend_name = "kvxfer", side_channel_host = None, side_channel_port = None,
-        lease = None, heartbeat_interval = None, transfer_timeout = None,
-        handshake_timeout = None, failure_policy = "fail", enforce_compat = true,
-        prepared_lists = true, vllm_compat = None, digest = false
+        agent_name, transport, layout, *, engine_id, tp_rank, tp_size, options = None,
+        dp_rank_local = 0, backend_name = "kvxfer", heartbeat_interval = None,
+        failure_policy = "fail", prepared_lists = true, vllm_compat = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -215,19 +216,13 @@ impl PullWorker {
         engine_id: &str,
         tp_rank: u32,
         tp_size: u32,
+        options: Option<&str>,
         dp_rank_local: u32,
         backend_name: &str,
-        side_channel_host: Option<&str>,
-        side_channel_port: Option<u16>,
-        lease: Option<f64>,
         heartbeat_interval: Option<f64>,
-        transfer_timeout: Option<f64>,
-        handshake_timeout: Option<f64>,
         failure_policy: &str,
-        enforce_compat: bool,
         prepared_lists: bool,
         vllm_compat: Option<&str>,
-        digest: bool,
     ) -> PyResult<Self> {
         let mut keep = Kept::new();
         let cache = cache::from_dict(layout, &mut keep)?;
@@ -236,27 +231,15 @@ impl PullWorker {
                 "tp_rank {tp_rank} of tp_size {tp_size}"
             )));
         }
-        // Settings left out keep the core's defaults (`PullConfig::new`).
-        let mut config = PullConfig::new(engine_id, tp_rank, tp_size);
+        // The connector's options (`kv_connector_extra_config`) become the worker's settings
+        // in the core, which holds their defaults (`ConnectorOptions`, `PullConfig::new`).
+        let options = ConnectorOptions::parse(options.unwrap_or("null"), Flow::Pull)
+            .map_err(InvalidArgumentError::new_err)?;
+        let mut config = options.pull_config(PullConfig::new(engine_id, tp_rank, tp_size));
         config.dp_rank_local = dp_rank_local;
-        if let Some(host) = side_channel_host {
-            config.side_channel_host = host.into();
-        }
-        if let Some(port) = side_channel_port {
-            config.side_channel_port = port;
-        }
         config.backend_name = backend_name.into();
-        if let Some(s) = lease {
-            config = config.with_lease(seconds("lease", s)?);
-        }
         if let Some(s) = heartbeat_interval {
             config.heartbeat_interval = seconds("heartbeat_interval", s)?;
-        }
-        if let Some(s) = transfer_timeout {
-            config.transfer_timeout = seconds("transfer_timeout", s)?;
-        }
-        if let Some(s) = handshake_timeout {
-            config.handshake_timeout = seconds("handshake_timeout", s)?;
         }
         config.failure_policy = match failure_policy {
             "fail" => FailurePolicy::Fail,
@@ -267,9 +250,7 @@ impl PullWorker {
                 )));
             }
         };
-        config.enforce_compat = enforce_compat;
         config.prepared_lists = prepared_lists;
-        config.digest = digest;
         config.vllm = vllm_compat.map(parse_vllm_compat).transpose()?;
         let tkind = transport_kind(transport)?;
         let name = agent_name.to_string();

@@ -141,7 +141,7 @@ def test_the_worker_names_its_instance_and_layout_and_takes_losses() -> None:
         worker("disc", "loopback", "split-kv", arrays[0]),
         worker("disc", "loopback", "split-kv", arrays[1]),
     )
-    (c, _) = worker("disc", "loopback", "split-kv", arrays[2], order="NHD")
+    (c, _) = worker("disc", "loopback", "split-kv", arrays[2], {"order": "NHD"})
     try:
         assert a.instance() != b.instance()
         assert a.layout_digest() == b.layout_digest() != c.layout_digest()

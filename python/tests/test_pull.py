@@ -43,10 +43,12 @@ def worker(
     kind: str,
     arrays: list[np.ndarray],
     layout: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
     **settings: Any,
 ) -> tuple[kvxfer.PullWorker, str]:
     """A TP-1 worker over `arrays` (one per region); returns it and its engine id. `layout`
-    overrides keys of the cache's layout dict, `settings` the worker's."""
+    overrides keys of the cache's layout dict, `options` of its connector options (a free
+    side-channel port by default), `settings` the worker's other keywords."""
     engine = f"{role}{next(_ids)}"
     desc: dict[str, Any] = dict(
         kind=kind,
@@ -62,7 +64,8 @@ def worker(
         total_layers=LAYERS,
     )
     desc.update(layout or {})
-    args: dict[str, Any] = dict(engine_id=engine, tp_rank=0, tp_size=1, side_channel_port=0)
+    opts: dict[str, Any] = {"side_channel_port": 0, **(options or {})}
+    args: dict[str, Any] = dict(engine_id=engine, tp_rank=0, tp_size=1, options=json.dumps(opts))
     args.update(settings)
     return kvxfer.PullWorker(f"{engine}-0", transport, desc, **args), engine
 
@@ -168,7 +171,12 @@ def test_failure_policy_reaches_the_report() -> None:
     # No prefill listens on this port: the handshake fails, the blocks are reported.
     dst = cache("split-kv", None)
     d, _ = worker(
-        "D", "loopback", "split-kv", dst, failure_policy="recompute", handshake_timeout=0.5
+        "D",
+        "loopback",
+        "split-kv",
+        dst,
+        options={"handshake_timeout": 0.5},
+        failure_policy="recompute",
     )
     dsched = kvxfer.PullScheduler("D", "127.0.0.1", 0)
     params = json.dumps(
@@ -232,7 +240,9 @@ def test_bad_worker_arguments_raise() -> None:
     with pytest.raises(kvxfer.InvalidArgumentError):
         worker("X", "loopback", "split-kv", good, failure_policy="pray")
     with pytest.raises(kvxfer.InvalidArgumentError):
-        worker("X", "loopback", "split-kv", good, lease=-1.0)
+        worker("X", "loopback", "split-kv", good, options={"lease": -1.0})
+    with pytest.raises(kvxfer.InvalidArgumentError, match="layerwise"):
+        worker("X", "loopback", "split-kv", good, options={"layerwise": True})
     with pytest.raises(kvxfer.InvalidArgumentError):
         worker("X", "loopback", "split-kv", good, tp_rank=1)
     with pytest.raises(kvxfer.NotSupportedError):

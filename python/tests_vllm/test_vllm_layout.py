@@ -57,7 +57,7 @@ def worker(role: str, desc: dict[str, Any], heads: int = HEADS) -> kvxfer.PullWo
         engine_id=role,
         tp_rank=0,
         tp_size=1,
-        side_channel_port=0,
+        options='{"side_channel_port": 0}',
     )
 
 

@@ -211,7 +211,7 @@ class _Decode:
             engine_id="kvxfer-test-decode",
             tp_rank=0,
             tp_size=1,
-            side_channel_port=0,
+            options='{"side_channel_port": 0}',
             backend_name="vllm-packed-kv",
             vllm_compat=json.dumps(compat),
         )
