@@ -534,7 +534,7 @@ impl<T: Transport> PullWorker<T> {
     }
 
     /// A stock prefill's expiry for the request's blocks, converted with the handshake's clock
-    /// offset, falls within [`super::vllm::EXPIRY_MARGIN`] of now: reading could race the free.
+    /// offset, falls within [`crate::wire::vllm_peer::EXPIRY_MARGIN`] of now: reading could race the free.
     fn expired_at_prefill(&self, req: &RecvRequest) -> Option<String> {
         let expiry = req.remote_expiry.as_ref()?.as_f64()?;
         let offset = self.book.connection(&req.engine_id)?.clock_offset?;
