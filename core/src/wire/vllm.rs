@@ -479,4 +479,4 @@ fn malformed(e: impl std::fmt::Display, what: &'static str) -> WireError {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -316,20 +316,7 @@ mod tests {
 
     fn compat(names: usize) -> VllmCompat {
         VllmCompat {
-            factors: CompatFactors {
-                vllm_version: "0.32.0".into(),
-                nixl_connector_version: 14,
-                model: "m".into(),
-                dtype: "torch.float32".into(),
-                num_kv_heads: 2,
-                head_size: 64,
-                num_hidden_layers: 2,
-                attn_backend_name: "CPU_ATTN".into(),
-                cache_dtype: "auto".into(),
-                is_hma_enabled: true,
-                speculative_config: serde_json::Value::Null,
-                transfer_mode: "pull".into(),
-            },
+            factors: crate::wire::vllm::tests::factors(),
             enforce_hash: true,
             region_names: (0..names)
                 .map(|i| format!("model.layers.{i}.self_attn.attn"))

@@ -136,7 +136,7 @@ impl<T: Transport> PullWorker<T> {
                 .lists
                 .zip(single)
                 .filter(|(_, (remote, local))| block_lists::fragmented(remote, local));
-            match (link.kind, indexed) {
+            let data = match (link.kind, indexed) {
                 (LinkKind::Data(_), Some((lists, (remote, local)))) => {
                     let planning = self.clock.now();
                     lists
@@ -156,16 +156,7 @@ impl<T: Transport> PullWorker<T> {
                             data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
-                    posted.push(x);
-                    if let (true, LinkKind::Data(slice)) = (stamped, link.kind) {
-                        verify.push(Verify {
-                            rank: link.prefill_rank,
-                            note: note.clone(),
-                            slice,
-                        });
-                    }
                     let pairs = local.len() as u64;
-                    self.metrics.transfers.tally(1);
                     self.metrics.indexed_transfers.tally(1);
                     self.metrics
                         .bytes
@@ -176,6 +167,7 @@ impl<T: Transport> PullWorker<T> {
                     self.metrics
                         .descriptors_posted
                         .tally(self.indices.0.len() as u64);
+                    Some(x)
                 }
                 (LinkKind::Data(slice), None) if !pairs.is_empty() || (resized && moves) => {
                     let planning = self.clock.now();
@@ -214,20 +206,12 @@ impl<T: Transport> PullWorker<T> {
                             data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
-                    posted.push(x);
-                    if let (true, LinkKind::Data(slice)) = (stamped, link.kind) {
-                        verify.push(Verify {
-                            rank: link.prefill_rank,
-                            note: note.clone(),
-                            slice,
-                        });
-                    }
-                    self.metrics.transfers.tally(1);
                     self.metrics.bytes.tally(planned.bytes);
                     self.metrics.descriptors_raw.tally(planned.raw);
                     self.metrics
                         .descriptors_posted
                         .tally(self.ranges.0.len() as u64);
+                    Some(x)
                 }
                 _ => {
                     if let Err(e) = self.transport.send_notification(rank.peer, &note) {
@@ -237,6 +221,19 @@ impl<T: Transport> PullWorker<T> {
                             posted,
                         ));
                     }
+                    None
+                }
+            };
+            // A data READ posted: kept, and with a stamping rank its stamp READ to follow.
+            if let Some(x) = data {
+                posted.push(x);
+                self.metrics.transfers.tally(1);
+                if let (true, LinkKind::Data(slice)) = (stamped, link.kind) {
+                    verify.push(Verify {
+                        rank: link.prefill_rank,
+                        note: note.clone(),
+                        slice,
+                    });
                 }
             }
         }

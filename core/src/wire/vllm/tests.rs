@@ -5,7 +5,8 @@ use super::*;
 const CAPTURED: &[u8] = include_bytes!("../../../testdata/vllm-0.32.0-pull-fp32.payload.bin");
 const LIMIT: usize = 1 << 20;
 
-fn factors() -> CompatFactors {
+/// The factors of the captured prefill's engine (other tests' engine too).
+pub(crate) fn factors() -> CompatFactors {
     CompatFactors {
         vllm_version: "0.32.0".into(),
         nixl_connector_version: 14,
