@@ -17,7 +17,7 @@ targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
     targets=(handshake push_messages notifications ucx_metadata nixl_metadata transfer_params
         side_channel_auth listener_request push_decode_room push_prefill_room pull_holds pull_loads
-        pull_stamps vllm_handshake digest_scratch sglang_nixl_frames)
+        pull_phases pull_stamps vllm_handshake digest_scratch sglang_nixl_frames)
 fi
 for t in "${targets[@]}"; do
     corpus="corpus/$t"

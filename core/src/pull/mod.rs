@@ -12,6 +12,7 @@ pub mod digests;
 pub mod holds;
 pub mod loads;
 mod metrics;
+pub mod phases;
 /// The notes between pull workers (in `wire`, with the other formats).
 pub use crate::wire::pull_notes as notify;
 mod scheduler;

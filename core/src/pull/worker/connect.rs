@@ -459,18 +459,17 @@ impl<T: Transport> PullWorker<T> {
         };
         self.metrics.lost_connections.tally(1);
         tracing::warn!(engine = %engine_id, %reason, "connection to prefill engine lost: its loads in flight fail, the next load handshakes again");
-        for load in doomed {
+        for mut load in doomed {
             // Cancel before reporting: nothing may land in the blocks after the engine
             // hears they are invalid. Release is bounded by the transport.
-            for (x, _) in load.xfers {
+            for (x, _) in std::mem::take(&mut load.xfers) {
                 let _ = self.transport.release(x);
             }
-            self.scratch
-                .give_back(load.checking.iter().map(|&(s, _)| s).collect());
-            let why = load.failed.unwrap_or_else(|| {
-                format!("transfer failed: connection to {engine_id} lost: {reason}")
-            });
-            self.book.fail(load.req, why);
+            let why = format!("transfer failed: connection to {engine_id} lost: {reason}");
+            load.phases.fail(why);
+            // Its phases hand back the scratch lent and report it (after a digest check
+            // still running, which reads only this cache).
+            self.end_phase(load);
         }
         for r in conn.ranks.into_values() {
             self.forget_rank(&r);

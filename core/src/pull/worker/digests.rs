@@ -16,19 +16,12 @@ use std::collections::HashMap;
 use super::{Load, PullError, PullWorker, RemoteRank, Verify};
 use crate::connector::KvCache;
 use crate::pull::digests::{DigestScratch, DigestTable};
+use crate::pull::phases::Posted;
 use crate::pull::scheduler::GroupPairs;
-use crate::tally::Tally;
+use crate::pull::scheduler::RecvRequest;
 use crate::transport::AddrRange;
 use crate::transport::{MemoryKind, Op, Transport};
 use kvxfer_host_mem::copy_pool::{CopyPool, Job};
-
-/// A load whose blocks the digest threads check: parts still running, and the first
-/// mismatch any part found.
-#[derive(Debug)]
-pub(super) struct Verifying {
-    pub(super) parts: usize,
-    pub(super) mismatch: Option<String>,
-}
 
 /// Each KV cache group's layers as a cache side of their own: its spec and region bases.
 pub(super) type Sides = Vec<(CacheSpec, Vec<u64>)>;
@@ -154,7 +147,7 @@ impl Digests {
 
     /// Decode side: checks a load's blocks against the entries that landed, in as many
     /// parts as there are digest threads (gives the scratch back at once); returns the
-    /// parts started, each ending in an [`Outcome::Checked`].
+    /// parts started, each ending in an [`Outcome`].
     pub(super) fn check(
         &mut self,
         req: &str,
@@ -293,23 +286,30 @@ pub(super) struct Landing {
 
 impl<T: Transport> PullWorker<T> {
     /// Posts the READs of the digest entries of every block a load read, one per prefill
-    /// rank its stamps confirmed; false (nothing posted) while the scratch is short.
-    pub(super) fn post_digest_reads(&mut self, load: &mut Load) -> Result<bool, String> {
+    /// rank its stamps confirmed; short (nothing posted) while the scratch is short.
+    pub(super) fn post_digest_reads(&mut self, load: &mut Load) -> Posted<Vec<Landing>> {
         let Some(d) = self.digests.as_mut() else {
-            return Err("content digests are off".into());
+            return Posted::Failed(Vec::new(), "content digests are off".into());
         };
-        let pairs = load.req.pairs(self.cache.group_count())?;
+        let pairs = match load.req.pairs(self.cache.group_count()) {
+            Ok(pairs) => pairs,
+            Err(why) => return Posted::Failed(Vec::new(), why),
+        };
         let Some(super::Connection { ranks, .. }) = self.book.connection(&load.req.engine_id)
         else {
-            return Err(format!("engine {} is not connected", load.req.engine_id));
+            let why = format!("engine {} is not connected", load.req.engine_id);
+            return Posted::Failed(Vec::new(), why);
         };
         let mut reads = Vec::new();
-        let planned = plan_digest_reads(d, ranks, &load.confirmed, &pairs, &mut reads);
+        let planned = plan_digest_reads(d, ranks, load.phases.confirmed(), &pairs, &mut reads);
         if !matches!(planned, Ok(true)) {
             for (l, ..) in &reads {
                 d.scratch.give_back(l.start, l.len);
             }
-            return planned;
+            return match planned {
+                Ok(_) => Posted::Short,
+                Err(why) => Posted::Failed(Vec::new(), why),
+            };
         }
         let now = self.clock.now();
         let host = (MemoryKind::Host, MemoryKind::Host);
@@ -331,58 +331,41 @@ impl<T: Transport> PullWorker<T> {
                     for (l, ..) in std::iter::once((landing, peer, locals, remotes)).chain(reads) {
                         d.scratch.give_back(l.start, l.len);
                     }
-                    load.digesting = Some(landings);
-                    return Err(format!("reading prefill rank {rank}'s digests: {e}"));
+                    let why = format!("reading prefill rank {rank}'s digests: {e}");
+                    return Posted::Failed(landings, why);
                 }
             }
         }
-        load.digesting = Some(landings);
-        Ok(true)
+        Posted::All(landings)
     }
 
-    /// Starts checking the blocks a load received against the digest entries that landed
-    /// (the scratch goes back at once): the load waits for its parts' outcomes.
-    pub(super) fn start_check(&mut self, load: &mut Load, landed: Vec<Landing>) {
+    /// Starts checking the blocks `req` received against the digest entries that landed
+    /// (the scratch goes back at once); returns the parts started.
+    pub(super) fn start_check(&mut self, req: &RecvRequest, landed: Vec<Landing>) -> usize {
         let Some(d) = self.digests.as_mut() else {
-            return;
+            return 0;
         };
         let groups = self.cache.groups.as_ref();
-        let parts = d.check(&load.req.req_id, landed, |g| {
+        d.check(&req.req_id, landed, |g| {
             groups.is_some_and(|x| x.is_state(g))
-        });
-        load.verifying = Some(Verifying {
-            parts,
-            mismatch: None,
-        });
+        })
     }
 
-    /// Takes the digest threads' outcomes: each ended part of a load's check is counted,
-    /// keeping its first mismatch.
+    /// Takes the digest threads' outcomes: each ended part of a load's check goes to its
+    /// phases, with the mismatch it found.
     pub(super) fn digests_finished(&mut self) {
         let Some(d) = self.digests.as_ref() else {
             return;
         };
         for Outcome { req, mismatch } in d.finished() {
-            let Some(v) = self.book.load_mut(&req).and_then(|l| l.verifying.as_mut()) else {
+            let Some(load) = self.book.load_mut(&req) else {
                 continue;
             };
-            v.parts = v.parts.saturating_sub(1);
-            if v.mismatch.is_none() {
-                v.mismatch = mismatch;
+            if let Some(why) = &mismatch {
+                tracing::warn!(req = %req, engine = %load.req.engine_id, "{why}: the load fails");
             }
+            load.phases.part_checked(mismatch);
         }
-    }
-
-    /// A load's check ended: its outcome, counted.
-    pub(super) fn checked(&mut self, load: &Load, mismatch: Option<String>) -> Option<String> {
-        match &mismatch {
-            Some(why) => {
-                self.metrics.digest_mismatches.tally(1);
-                tracing::warn!(req = %load.req.req_id, engine = %load.req.engine_id, "{why}: the load fails");
-            }
-            None => self.metrics.verified_digests.tally(1),
-        }
-        mismatch
     }
 
     /// Gives back the scratch of digest READs that never got checked (a failed load),

@@ -24,6 +24,7 @@ use super::holds::Holds;
 use super::loads::{Admission, InFlight, Loads};
 pub use super::loads::{FailedLoad, LoadRefused};
 use super::metrics::PullMetrics;
+use super::phases::{Phases, Ranked};
 use super::scheduler::{RecvRequest, StepMeta};
 use super::stamps::{Scratch, Stamp, StampTable};
 use crate::clock::Clock;
@@ -124,26 +125,8 @@ struct Outcome {
 struct Load {
     req: RecvRequest,
     xfers: Vec<(XferId, Duration)>,
-    failed: Option<String>,
-    /// Stamp READs to post once the data READs completed (stamped references).
-    verify: Vec<Verify>,
-    /// Scratch slots the posted stamp READs land in, each with its stamp READ: checked,
-    /// then given back, once `xfers` ended.
-    checking: Vec<(u32, Verify)>,
-    /// Since when the load waits for its stamps (scratch slots all lent, or a prefill rank
-    /// whose hold has not started), if it does.
-    stamp_wait: Option<Duration>,
-    /// A stamp READ found the reference's hold not started yet (its engine keeps the blocks
-    /// until then).
-    hold_pending: bool,
-    /// With content digests: the ranks whose stamps confirmed the hold, with their
-    /// read-done notes, sent once the digests were checked (the hold, and its digest
-    /// entries, stand until then).
-    confirmed: Vec<Verify>,
-    /// With content digests: where the READs of the digest entries land, once posted.
-    digesting: Option<Vec<digests::Landing>>,
-    /// With content digests: the check of the blocks against the entries, once started.
-    verifying: Option<digests::Verifying>,
+    /// What follows the data READs (stamps, digests, notes) and when it is reported.
+    phases: Phases<Verify, u32, Vec<digests::Landing>>,
 }
 
 impl InFlight for Load {
@@ -153,18 +136,19 @@ impl InFlight for Load {
 }
 
 impl Load {
-    fn new(req: RecvRequest, xfers: Vec<(XferId, Duration)>, failed: Option<String>) -> Self {
+    /// A load whose READs were posted: `stamped` the ranks whose stamps are read after
+    /// them, `failed` why it failed already.
+    fn new(
+        req: RecvRequest,
+        xfers: Vec<(XferId, Duration)>,
+        stamped: Vec<Verify>,
+        digests: bool,
+        failed: Option<String>,
+    ) -> Self {
         Load {
             req,
             xfers,
-            failed,
-            verify: Vec::new(),
-            checking: Vec::new(),
-            stamp_wait: None,
-            hold_pending: false,
-            confirmed: Vec::new(),
-            digesting: None,
-            verifying: None,
+            phases: Phases::new(stamped, digests, failed),
         }
     }
 }
@@ -177,6 +161,12 @@ struct Verify {
     note: Vec<u8>,
     /// The heads the rank's data READ moved (what a content digest check compares).
     slice: kvxfer_layout::HeadSlice,
+}
+
+impl Ranked for Verify {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
 }
 
 /// One TP rank's worker.
@@ -371,7 +361,10 @@ impl<T: Transport> PullWorker<T> {
     /// Loads whose blocks arrived and whose prefill had not yet started holding their
     /// reference when its stamp was read: they read the stamp again (tests).
     pub fn loads_awaiting_holds(&self) -> usize {
-        self.book.loads().filter(|l| l.hold_pending).count()
+        self.book
+            .loads()
+            .filter(|l| l.phases.hold_pending())
+            .count()
     }
     /// Handshake threads not yet joined: those still running, and any that ended since the
     /// last handshake started or answered (tests: flat however many handshakes ran).

@@ -13,7 +13,9 @@ use crate::connector::KvCache;
 use crate::connector::plan::{Grouped, Planned, Planner, Ranges};
 use crate::pull::block_lists;
 use crate::pull::notify;
+use crate::pull::phases::{Counted, Next, Posted};
 use crate::pull::scheduler::{GroupPairs, RecvRequest};
+use crate::pull::stamps::{self, Held};
 use crate::tally::Tally;
 use crate::transport::{MemoryKind, Op, Transport, XferId, XferStatus};
 
@@ -36,9 +38,9 @@ impl<T: Transport> PullWorker<T> {
                 } else {
                     let posted = self.clock.now();
                     let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
-                    let mut load = Load::new(req, xfers, None);
-                    load.verify = verify;
-                    self.book.start(load);
+                    let digests = self.digests.is_some();
+                    self.book
+                        .start(Load::new(req, xfers, verify, digests, None));
                 }
             }
             Err((reason, posted)) => {
@@ -51,7 +53,9 @@ impl<T: Transport> PullWorker<T> {
                     // is reported failed once they ended (poll_loads), never before.
                     let now = self.clock.now();
                     let xfers = posted.into_iter().map(|x| (x, now)).collect();
-                    self.book.start(Load::new(req, xfers, Some(reason)));
+                    let digests = self.digests.is_some();
+                    self.book
+                        .start(Load::new(req, xfers, Vec::new(), digests, Some(reason)));
                 }
                 self.drop_if_peer_failed(&engine_id);
             }
@@ -244,26 +248,29 @@ impl<T: Transport> PullWorker<T> {
         let mut ended = Vec::new();
         let mut lost: Vec<(String, String)> = Vec::new();
         for (id, load) in self.book.loads_mut() {
-            let had_failed = load.failed.is_some();
+            let had_failed = load.phases.failed();
+            let mut first = None;
             // Stamp and digest READs are not counted with the data (`transfers`, `bytes`
             // neither).
-            let data = load.checking.is_empty() && load.digesting.is_none();
+            let data = load.phases.reading_data();
             let mut still = Vec::with_capacity(load.xfers.len());
             for &(x, posted) in &load.xfers {
-                match self.transport.status(x) {
+                let failure = match self.transport.status(x) {
                     Ok(XferStatus::InProgress)
                         if now.saturating_sub(posted) > self.config.transfer_timeout =>
                     {
                         // Cancel before reporting: nothing may land in the blocks after the
                         // engine hears they are invalid. Release is bounded by the transport.
-                        self.metrics.failed_transfers.tally(1);
-                        load.failed.get_or_insert(format!(
+                        let _ = self.transport.release(x);
+                        format!(
                             "transfer failed: no completion within {:?}",
                             self.config.transfer_timeout
-                        ));
-                        let _ = self.transport.release(x);
+                        )
                     }
-                    Ok(XferStatus::InProgress) => still.push((x, posted)),
+                    Ok(XferStatus::InProgress) => {
+                        still.push((x, posted));
+                        continue;
+                    }
                     Ok(XferStatus::Done) => {
                         if data {
                             self.metrics.transfer_time.tally(now.saturating_sub(posted));
@@ -272,23 +279,21 @@ impl<T: Transport> PullWorker<T> {
                             }
                         }
                         let _ = self.transport.release(x);
+                        continue;
                     }
                     Ok(XferStatus::Failed(reason)) => {
-                        self.metrics.failed_transfers.tally(1);
-                        load.failed
-                            .get_or_insert_with(|| format!("transfer failed: {reason}"));
                         let _ = self.transport.release(x);
+                        format!("transfer failed: {reason}")
                     }
-                    Err(e) => {
-                        self.metrics.failed_transfers.tally(1);
-                        load.failed
-                            .get_or_insert_with(|| format!("transfer failed: {e}"));
-                    }
-                }
+                    Err(e) => format!("transfer failed: {e}"),
+                };
+                self.metrics.failed_transfers.tally(1);
+                first.get_or_insert_with(|| failure.clone());
+                load.phases.fail(failure);
             }
             load.xfers = still;
-            if let (false, Some(reason)) = (had_failed, &load.failed) {
-                lost.push((load.req.engine_id.clone(), reason.clone()));
+            if let (false, Some(reason)) = (had_failed, first) {
+                lost.push((load.req.engine_id.clone(), reason));
             }
             // Report only when nothing writes into the blocks any more.
             if load.xfers.is_empty() {
@@ -306,138 +311,86 @@ impl<T: Transport> PullWorker<T> {
             self.lose_engine(&engine_id, &reason);
         }
     }
-    /// A load whose transfers all ended: its data READs, then (stamped references) its
-    /// stamp READs, then (content digests) the READs of its digest entries are posted, or
-    /// it is checked and reported.
-    fn end_phase(&mut self, mut load: Load) {
-        if let Some(landed) = load.digesting.take() {
-            // The digest entries landed (or their READs ended otherwise): check the blocks
-            // against them, on the digest threads.
-            if load.failed.is_some() {
-                self.drop_digests(landed);
-                return self.report(load);
-            }
-            self.start_check(&mut load, landed);
-        }
-        if let Some(v) = &load.verifying {
-            if v.parts > 0 {
-                self.book.start(load);
-                return;
-            }
-            let mismatch = load.verifying.take().and_then(|v| v.mismatch);
-            load.failed = self.checked(&load, mismatch);
-            return self.report(load);
-        }
-        let checking = std::mem::take(&mut load.checking);
-        let checked = !checking.is_empty();
-        if load.failed.is_none() && checked {
-            let hold = self.digests.is_some().then_some(&mut load.confirmed);
-            load.failed = self.check_stamps(
-                &load.req,
-                checking,
-                &mut load.verify,
-                &mut load.hold_pending,
-                hold,
-            );
-        } else {
-            self.scratch
-                .give_back(checking.into_iter().map(|(s, _)| s).collect());
-        }
-        if load.failed.is_none() && !load.verify.is_empty() {
+    /// A load none of whose transfers is in flight: does what its phases say (stamp READs,
+    /// digest READs and their check, read-done notes) until it waits for a READ, a check or
+    /// the next poll, or is reported.
+    pub(super) fn end_phase(&mut self, mut load: Load) {
+        loop {
             let now = self.clock.now();
-            let since = *load.stamp_wait.get_or_insert(now);
-            if now.saturating_sub(since) > self.config.transfer_timeout {
-                let ranks: Vec<u32> = load.verify.iter().map(|v| v.rank).collect();
-                load.failed = Some(if load.hold_pending {
-                    // A forged reference, or one from the prefill's previous incarnation.
-                    self.metrics.stale_references.tally(1);
-                    format!(
-                        "stale reference: prefill ranks {ranks:?} did not hold it within {:?} (unknown to them)",
-                        self.config.transfer_timeout
-                    )
-                } else {
-                    format!(
-                        "no scratch slot for the stamp READ within {:?}",
-                        self.config.transfer_timeout
-                    )
-                });
-            } else if checked {
-                // A hold not started yet: its slot is read again at the next poll.
-            } else if let Err(reason) = self.post_stamp_reads(&mut load) {
-                // Scratch slots all lent (Ok(false)): the next poll tries again.
-                self.metrics.failed_setups.tally(1);
-                load.failed = Some(reason);
-            }
-            if !load.xfers.is_empty() || (load.failed.is_none() && !load.verify.is_empty()) {
-                self.book.start(load);
-                return;
-            }
-        }
-        if load.failed.is_none() && !load.confirmed.is_empty() {
-            // Every stamp confirmed the hold: read the digest entries of the blocks.
-            match self.post_digest_reads(&mut load) {
-                Ok(true) => {}
-                Ok(false) => {
-                    // The digest scratch is short: the next poll tries again, up to the
-                    // transfer timeout.
-                    let now = self.clock.now();
-                    let since = *load.stamp_wait.get_or_insert(now);
-                    if now.saturating_sub(since) <= self.config.transfer_timeout {
-                        self.book.start(load);
-                        return;
+            let busy = !load.xfers.is_empty();
+            match load.phases.next(now, self.config.transfer_timeout, busy) {
+                Next::Wait => return self.book.start(load),
+                Next::ReadStamps => {
+                    let posted = self.post_stamp_reads(&mut load);
+                    load.phases.stamps_posted(posted);
+                }
+                Next::CheckStamps(posted) => {
+                    let found = self.read_stamps(&load.req, posted);
+                    load.phases.stamps_checked(found);
+                }
+                Next::DropStamps(slots) => self.scratch.give_back(slots),
+                Next::ReadDigests => {
+                    let posted = self.post_digest_reads(&mut load);
+                    load.phases.digests_posted(posted);
+                }
+                Next::CheckDigests(landed) => {
+                    let parts = self.start_check(&load.req, landed);
+                    load.phases.checking(parts);
+                }
+                Next::DropDigests(landed) => self.drop_digests(landed),
+                Next::Notify(ranks) => {
+                    for v in &ranks {
+                        self.send_read_done(&load.req, v);
                     }
-                    load.failed = Some(format!(
-                        "no room in the digest scratch within {:?}",
-                        self.config.transfer_timeout
-                    ));
                 }
-                Err(reason) => {
-                    self.metrics.failed_setups.tally(1);
-                    load.failed = Some(reason);
+                Next::Count(c) => self.count(c),
+                Next::Report { failed, notes } => {
+                    // Read-done notes still kept (content digests) go now: the blocks were
+                    // read.
+                    for v in &notes {
+                        self.send_read_done(&load.req, v);
+                    }
+                    return match failed {
+                        None => self.book.done(&load.req),
+                        Some(reason) => self.book.fail(load.req, reason),
+                    };
                 }
             }
-            if !load.xfers.is_empty() {
-                self.book.start(load);
-                return;
-            }
-            if let Some(landed) = load.digesting.take() {
-                self.drop_digests(landed);
-            }
-        }
-        self.report(load);
-    }
-
-    /// Reports a load whose transfers all ended: done, or failed with its blocks. Read-done
-    /// notes still kept (content digests) go now: the blocks were read.
-    fn report(&mut self, mut load: Load) {
-        for v in std::mem::take(&mut load.confirmed) {
-            self.send_read_done(&load.req, &v);
-        }
-        match load.failed {
-            None => self.book.done(&load.req),
-            Some(reason) => self.book.fail(load.req, reason),
         }
     }
 
-    /// Posts the stamp READs of a load whose data READs completed (each rank's read-done note
-    /// waits for its check); false while the scratch has too few free slots. On error the
-    /// READs posted so far stay in `load.xfers`.
-    fn post_stamp_reads(&mut self, load: &mut Load) -> Result<bool, String> {
+    /// Counts what a load's phases saw.
+    fn count(&mut self, c: Counted) {
+        let m = &mut self.metrics;
+        match c {
+            Counted::VerifiedReference => m.verified_references.tally(1),
+            Counted::StaleReference => m.stale_references.tally(1),
+            Counted::VerifiedDigests => m.verified_digests.tally(1),
+            Counted::DigestMismatch => m.digest_mismatches.tally(1),
+            Counted::FailedSetup => m.failed_setups.tally(1),
+        }
+    }
+
+    /// Posts the stamp READs of the load's pending ranks (each rank's read-done note waits
+    /// for its check); short while the scratch has too few free slots. On failure the READs
+    /// posted so far stay in `load.xfers`, their slots lent until they ended.
+    fn post_stamp_reads(&mut self, load: &mut Load) -> Posted<Vec<u32>> {
         let Some(stamp) = load.req.stamp else {
-            return Err("stamped ranks but no stamp".into());
+            return Posted::Failed(Vec::new(), "stamped ranks but no stamp".into());
         };
-        let Some(slots) = self.scratch.take(load.verify.len()) else {
-            return Ok(false);
+        let Some(slots) = self.scratch.take(load.phases.pending().len()) else {
+            return Posted::Short;
         };
         let Some(super::Connection { ranks, .. }) = self.book.connection(&load.req.engine_id)
         else {
             self.scratch.give_back(slots);
-            return Err(format!("engine {} is not connected", load.req.engine_id));
+            let why = format!("engine {} is not connected", load.req.engine_id);
+            return Posted::Failed(Vec::new(), why);
         };
         let now = self.clock.now();
-        let verify = std::mem::take(&mut load.verify);
+        let mut posted = Vec::new();
         let mut unused = slots.into_iter();
-        for v in verify {
+        for v in load.phases.pending() {
             let slot = unused.next().unwrap_or_default();
             let remote = ranks
                 .get(&v.rank)
@@ -451,7 +404,8 @@ impl<T: Transport> PullWorker<T> {
             let Some((peer, remote)) = remote else {
                 self.scratch
                     .give_back(std::iter::once(slot).chain(unused).collect());
-                return Err(format!("prefill rank {} has no stamp table", v.rank));
+                let why = format!("prefill rank {} has no stamp table", v.rank);
+                return Posted::Failed(posted, why);
             };
             let local = self.scratch.slot_range(slot);
             let host = (MemoryKind::Host, MemoryKind::Host);
@@ -461,59 +415,41 @@ impl<T: Transport> PullWorker<T> {
             {
                 Ok(x) => {
                     load.xfers.push((x, now));
-                    load.checking.push((slot, v));
+                    posted.push(slot);
                 }
                 Err(e) => {
                     self.scratch
                         .give_back(std::iter::once(slot).chain(unused).collect());
-                    return Err(format!("reading prefill rank {}'s stamp: {e}", v.rank));
+                    let why = format!("reading prefill rank {}'s stamp: {e}", v.rank);
+                    return Posted::Failed(posted, why);
                 }
             }
         }
-        Ok(true)
+        Posted::All(posted)
     }
 
-    /// Checks what each stamp READ found against the reference's stamp, giving the scratch
-    /// slots back: the reason of the first refutation (counted), or none. A rank that
-    /// confirmed the hold gets its read-done note now, or goes to `confirmed` where given
-    /// (content digests, checked before the note); one whose hold has not started goes
-    /// back to `again`, to be read another time, and sets `hold_pending`.
-    fn check_stamps(
+    /// What each stamp READ found against the reference's stamp, giving the scratch slots
+    /// back.
+    fn read_stamps(
         &mut self,
         req: &RecvRequest,
-        checking: Vec<(u32, Verify)>,
-        again: &mut Vec<Verify>,
-        hold_pending: &mut bool,
-        mut confirmed: Option<&mut Vec<Verify>>,
-    ) -> Option<String> {
-        use crate::pull::stamps::{Held, check};
-        let stamp = req.stamp?;
-        let mut refuted = None;
-        let (slots, checks): (Vec<u32>, Vec<Verify>) = checking.into_iter().unzip();
+        posted: Vec<(u32, Verify)>,
+    ) -> Vec<(Verify, Result<Held, String>)> {
+        let (slots, ranks): (Vec<u32>, Vec<Verify>) = posted.into_iter().unzip();
         let reads: Vec<[u64; 2]> = slots.iter().map(|&s| self.scratch.read(s)).collect();
         self.scratch.give_back(slots);
-        for (read, v) in reads.into_iter().zip(checks) {
-            match check(read, stamp) {
-                Ok(Held::Yes) => match confirmed.as_deref_mut() {
-                    Some(c) => c.push(v),
-                    None => self.send_read_done(req, &v),
-                },
-                Ok(Held::NotYet) => {
-                    *hold_pending = true;
-                    again.push(v);
-                }
-                Err(e) => {
-                    tracing::warn!(req = %req.req_id, engine = %req.engine_id, rank = v.rank, "{e}: the blocks read are discarded");
-                    refuted.get_or_insert(format!("stale reference: prefill rank {}: {e}", v.rank));
-                }
+        let mut found = Vec::with_capacity(ranks.len());
+        for (v, read) in ranks.into_iter().zip(reads) {
+            let held = match req.stamp {
+                Some(stamp) => stamps::check(read, stamp).map_err(|e| e.to_string()),
+                None => Err("the reference has no stamp".into()),
+            };
+            if let Err(e) = &held {
+                tracing::warn!(req = %req.req_id, engine = %req.engine_id, rank = v.rank, "{e}: the blocks read are discarded");
             }
+            found.push((v, held));
         }
-        if refuted.is_some() {
-            self.metrics.stale_references.tally(1);
-        } else if again.is_empty() {
-            self.metrics.verified_references.tally(1);
-        }
-        refuted
+        found
     }
 
     /// The read-done note of a rank whose stamp confirmed the hold: the prefill may free the
