@@ -418,7 +418,7 @@ mod tests {
     #[test]
     fn stamps_that_confirm_the_hold_send_their_notes_and_report_the_load_done() {
         let mut p = P::new(vec![R(0), R(1)], false, None);
-        assert!(p.reading_data());
+        assert!(p.reading_data() && !p.failed() && !p.hold_pending());
         assert_eq!(p.next(at(0), T, true), Next::Wait, "data READs in flight");
         assert_eq!(run(&mut p, 1), [Next::ReadStamps]);
         assert_eq!(p.pending(), [R(0), R(1)]);

@@ -1,8 +1,8 @@
 //! Content digests in pull mode (`PullConfig::digest`, `kvxfer_core::pull::digests`),
 //! generic over the transport: a correct load verifies, across TP sizes that differ; a READ
 //! corrupted in flight and a source changed after it was digested both fail their loads
-//! with their blocks (never reported done); a decode with digests refuses a prefill
-//! without them. Re-exported by [`super::pull`], so `pull_scenarios!` runs them on every
+//! with their blocks (never reported done), and a load failed in any phase gives its digest
+//! scratch back; a decode with digests refuses a prefill without them. Re-exported by [`super::pull`], so `pull_scenarios!` runs them on every
 //! transport.
 
 use std::sync::Arc;
@@ -188,6 +188,25 @@ pub fn a_corrupted_read_and_a_changed_source_fail_their_loads<F: TransportFactor
         "{}",
         failed.reason
     );
+    assert_eq!(dec.workers[0].digest_reads_in_flight(), 0, "landing kept");
+
+    // The prefill is lost while the digest READ's landing is lent: the load fails with its
+    // blocks, and the landing goes back.
+    let h = pre.finish_prefill("h", &[7]);
+    dec.start_load("h", &h, &[11], 4);
+    let start = Instant::now();
+    while dec.workers[0].digest_reads_in_flight() == 0 {
+        let f = dec.poll();
+        assert!(
+            f[0].recving.is_empty(),
+            "h ended before its digest READ: {f:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(60), "no digest READ");
+    }
+    dec.workers[0].engine_lost("corrupt-P", "restarted");
+    let failed = first_failure(&mut dec);
+    assert_eq!(failed[0].invalid_blocks, vec![11]);
+    assert!(failed[0].reason.contains("lost"), "{}", failed[0].reason);
     assert_eq!(dec.workers[0].digest_reads_in_flight(), 0, "landing kept");
 }
 
