@@ -4,7 +4,10 @@
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
 use std::collections::HashMap;
+use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
 
 use kvxfer_layout::{
     CacheKind, CacheSide, CacheSpec, LayerGroups, LinkKind, Side, SideLayout, TpMapping,
@@ -23,9 +26,27 @@ use crate::wire::handshake::PROTOCOL_VERSION;
 use crate::wire::params::PeerProtocol;
 use crate::wire::vllm_peer::{StockRegions, layout_name};
 
+/// The decode side's handshakes: the threads not yet joined, the channel their outcomes
+/// come back on, and the last instance each (engine, rank) named.
+pub(super) struct Handshakes {
+    pub(super) outcomes: (Sender<Outcome>, Receiver<Outcome>),
+    pub(super) threads: Vec<JoinHandle<()>>,
+    pub(super) instances: HashMap<(String, u32), u64>,
+}
+
+impl Default for Handshakes {
+    fn default() -> Self {
+        Handshakes {
+            outcomes: unbounded(),
+            threads: Vec::new(),
+            instances: HashMap::new(),
+        }
+    }
+}
+
 impl<T: Transport> PullWorker<T> {
     pub(super) fn spawn_handshake(&mut self, req: &RecvRequest) {
-        let tx = self.outcomes.0.clone();
+        let tx = self.handshakes.outcomes.0.clone();
         let (host, port, engine_id) = (req.host.clone(), req.port, req.engine_id.clone());
         let reader = self.transport.name().to_string();
         let (my_rank, my_tp, sharding) = (
@@ -80,9 +101,9 @@ impl<T: Transport> PullWorker<T> {
             });
         self.join_finished_handshakes();
         match spawned {
-            Ok(t) => self.threads.push(t),
+            Ok(t) => self.handshakes.threads.push(t),
             Err(e) => {
-                let _ = self.outcomes.0.send(Outcome {
+                let _ = self.handshakes.outcomes.0.send(Outcome {
                     engine_id: req.engine_id.clone(),
                     started,
                     result: Err(format!("cannot start handshake thread: {e}")),
@@ -93,10 +114,10 @@ impl<T: Transport> PullWorker<T> {
     /// Joins the handshake threads that ended: each holds its stack and guard page until
     /// joined, and a decode that reconnects for days would otherwise keep them all.
     fn join_finished_handshakes(&mut self) {
-        let (ended, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.threads)
+        let (ended, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.handshakes.threads)
             .into_iter()
             .partition(|t| t.is_finished());
-        self.threads = running;
+        self.handshakes.threads = running;
         for t in ended {
             let _ = t.join();
         }
@@ -504,7 +525,7 @@ impl<T: Transport> PullWorker<T> {
                     self.forget_rank(&r);
                 }
             }
-            self.instances.retain(|(e, _), _| *e != id);
+            self.handshakes.instances.retain(|(e, _), _| *e != id);
             self.metrics.closed_connections.tally(1);
             tracing::info!(engine = %id, reason = why, "closed the connection to a prefill engine no request needs: the next load handshakes again");
         }
@@ -517,7 +538,7 @@ impl<T: Transport> PullWorker<T> {
                 continue;
             };
             let key = (engine_id.to_string(), rank);
-            if let Some(old) = self.instances.insert(key, instance) {
+            if let Some(old) = self.handshakes.instances.insert(key, instance) {
                 if old != instance {
                     self.metrics.peer_restarts.tally(1);
                     tracing::info!(engine = %engine_id, rank, "prefill engine restarted (new instance): connected to the new one");

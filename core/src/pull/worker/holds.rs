@@ -3,11 +3,49 @@
 
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use super::PullWorker;
+use crate::pull::holds::Holds;
 use crate::pull::notify;
 use crate::pull::scheduler::Hold;
+use crate::pull::stamps::{Stamp, StampTable};
+use crate::sidechannel::{KnownReaders, Listener};
 use crate::tally::Tally;
 use crate::transport::Transport;
+
+/// What the prefill side keeps: the listener that serves this rank's metadata, the decode
+/// agents that fetched it, the holds, their stamps, and what to report freed.
+pub(super) struct Serving {
+    pub(super) listener: Option<Listener>,
+    /// Decode agents that fetched this rank's metadata: the only senders of notes counted.
+    pub(super) readers: Arc<KnownReaders>,
+    pub(super) holds: Holds,
+    /// Requests whose blocks may be freed, since the last step.
+    pub(super) sending: Vec<String>,
+    /// The stamp table decodes check after reading, and the stamp of each held request,
+    /// cleared from the table before its blocks are reported free.
+    pub(super) stamps: StampTable,
+    pub(super) stamped: HashMap<String, Stamp>,
+    /// Notifications that were not kvxfer pull messages.
+    pub(super) unknown_notifications: u64,
+}
+
+impl Serving {
+    /// Serving on `listener`, nothing held.
+    pub(super) fn new(listener: Listener, holds: Holds, stamps: StampTable) -> Self {
+        Serving {
+            readers: listener.readers(),
+            listener: Some(listener),
+            holds,
+            sending: Vec::new(),
+            stamps,
+            stamped: HashMap::new(),
+            unknown_notifications: 0,
+        }
+    }
+}
 
 impl<T: Transport> PullWorker<T> {
     /// Holds each finished request's blocks for its readers, counting the notes that came
@@ -18,9 +56,9 @@ impl<T: Transport> PullWorker<T> {
     pub(super) fn start_holds(&mut self, hold: &[Hold]) {
         let now = self.clock.now();
         for h in hold {
-            if let Some(old) = self.stamped.insert(h.req_id.clone(), h.stamp) {
+            if let Some(old) = self.serving.stamped.insert(h.req_id.clone(), h.stamp) {
                 // Held again: the new reference replaces the old one.
-                self.stamps.release(old);
+                self.serving.stamps.release(old);
             }
             if let Some(d) = &self.digests {
                 // The entries first: a decode that finds the stamp finds them written.
@@ -28,17 +66,19 @@ impl<T: Transport> PullWorker<T> {
                 d.publish(&h.req_id, &h.block_ids);
                 self.metrics.digest_time.tally(start.elapsed());
             }
-            self.stamps.set(h.stamp);
-            self.holds.hold(&h.req_id, now, &mut self.sending);
+            self.serving.stamps.set(h.stamp);
+            self.serving
+                .holds
+                .hold(&h.req_id, now, &mut self.serving.sending);
         }
     }
 
     /// Clears the stamps of the requests about to be reported free, so that a decode reading
     /// their blocks from now on (the engine may reuse them) finds its reference refuted.
     pub(super) fn unstamp_freed(&mut self) {
-        for id in &self.sending {
-            if let Some(stamp) = self.stamped.remove(id) {
-                self.stamps.release(stamp);
+        for id in &self.serving.sending {
+            if let Some(stamp) = self.serving.stamped.remove(id) {
+                self.serving.stamps.release(stamp);
             }
         }
     }
@@ -51,16 +91,20 @@ impl<T: Transport> PullWorker<T> {
         let now = self.clock.now();
         for n in notes {
             let Some(note) = notify::parse(&n.message) else {
-                self.unknown_notifications.tally(1);
+                self.serving.unknown_notifications.tally(1);
                 continue;
             };
-            if !self.readers.contains(&n.from) && !self.readers.unnamed_allowed() {
+            if !self.serving.readers.contains(&n.from) && !self.serving.readers.unnamed_allowed() {
                 // Only a decode that fetched our metadata reads (and frees) our blocks.
                 self.metrics.refused_notes.tally(1);
                 tracing::debug!(from = %n.from, "note from an agent that never fetched our metadata dropped");
                 continue;
             }
-            if !self.holds.note(&n.from, &note, now, &mut self.sending) {
+            if !self
+                .serving
+                .holds
+                .note(&n.from, &note, now, &mut self.serving.sending)
+            {
                 self.metrics.refused_notes.tally(1);
             }
         }
@@ -68,7 +112,7 @@ impl<T: Transport> PullWorker<T> {
 
     pub(super) fn expire_leases(&mut self) {
         let now = self.clock.now();
-        let n = self.holds.expire(now, &mut self.sending);
+        let n = self.serving.holds.expire(now, &mut self.serving.sending);
         self.metrics.expired_leases.tally(n);
     }
 }

@@ -12,11 +12,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender, unbounded};
-use kvxfer_layout::{CacheSpec, LayerGroups, LayoutError, TpMapping, TransferPlan};
+use kvxfer_layout::{CacheSpec, LayerGroups, LayoutError, TpMapping};
 
 use super::block_lists::BlockLists;
 use super::config::PullConfig;
@@ -26,10 +24,10 @@ pub use super::loads::{FailedLoad, LoadRefused};
 use super::metrics::PullMetrics;
 use super::phases::{Phases, Ranked};
 use super::scheduler::{RecvRequest, StepMeta};
-use super::stamps::{Scratch, Stamp, StampTable};
+use super::stamps::{Scratch, StampTable};
 use crate::clock::Clock;
 use crate::connector::KvCache;
-use crate::sidechannel::{KnownReaders, Listener, side_channel_port};
+use crate::sidechannel::{Listener, side_channel_port};
 use crate::transport::{
     AddrRange, MemoryKind, PeerId, Registration, Transport, TransportError, XferId,
 };
@@ -176,39 +174,27 @@ pub struct PullWorker<T: Transport> {
     cache: KvCache,
     clock: Arc<dyn Clock>,
     registrations: Vec<Registration>,
-    listener: Option<Listener>,
-    /// Decode agents that fetched this rank's metadata: the only senders of notes counted.
-    readers: Arc<KnownReaders>,
+    /// Prefill side: the listener, who may send notes, the holds and their stamps.
+    serving: holds::Serving,
     /// Decode side: the prefill engines, the loads queued, waiting and in flight, and what
     /// the engine is told of them (the I/O-free machine this worker drives).
     book: Loads<Connection, Load>,
-    /// The last instance each (engine, rank) named in a handshake.
-    instances: HashMap<(String, u32), u64>,
-    holds: Holds,
-    outcomes: (Sender<Outcome>, Receiver<Outcome>),
-    threads: Vec<JoinHandle<()>>,
-    /// Prefill side: requests whose blocks may be freed, since the last step.
-    sending: Vec<String>,
+    /// Decode side: the handshake threads, their outcomes, the instances they named.
+    handshakes: connect::Handshakes,
+    /// Decode side: where stamp READs land.
+    scratch: Scratch,
+    /// Decode side: what planning a load's READs reuses.
+    bufs: reads::Buffers,
+    /// With content digests (`PullConfig::digest`): the table this rank publishes and the
+    /// scratch its READs of other ranks' land in.
+    digests: Option<digests::Digests>,
     last_heartbeat: Duration,
     metrics: PullMetrics,
-    unknown_notifications: u64,
     shut_down: bool,
-    plan: TransferPlan,
-    ranges: (Vec<AddrRange>, Vec<AddrRange>),
-    indices: (Vec<u32>, Vec<u32>),
     /// This worker's random instance id, named in its handshakes.
     instance: u64,
     /// A digest of this rank's cache layout (see [`PullWorker::layout_digest`]).
     layout_digest: String,
-    /// Prefill side: the stamp table decodes check after reading, and the stamp of each
-    /// held request, cleared from the table before its blocks are reported free.
-    stamps: StampTable,
-    stamped: HashMap<String, Stamp>,
-    /// Decode side: where stamp READs land.
-    scratch: Scratch,
-    /// With content digests (`PullConfig::digest`): the table this rank publishes and the
-    /// scratch its READs of other ranks' land in.
-    digests: Option<digests::Digests>,
 }
 
 mod connect;
@@ -287,34 +273,23 @@ impl<T: Transport> PullWorker<T> {
         )
         .map_err(PullError::SideChannel)?;
         let now = clock.now();
-        let readers = listener.readers();
         let worker = PullWorker {
             transport,
-            holds: Holds::new(config.lease),
+            serving: holds::Serving::new(listener, Holds::new(config.lease), stamps),
             book: Loads::new(config.failure_policy),
             config,
             cache,
             clock,
             registrations,
-            listener: Some(listener),
-            readers,
-            instances: HashMap::new(),
-            outcomes: unbounded(),
-            threads: Vec::new(),
-            sending: Vec::new(),
+            handshakes: connect::Handshakes::default(),
+            scratch,
+            bufs: reads::Buffers::default(),
+            digests,
             last_heartbeat: now,
             metrics: PullMetrics::default(),
-            unknown_notifications: 0,
             shut_down: false,
-            plan: TransferPlan::default(),
-            ranges: (Vec::new(), Vec::new()),
-            indices: (Vec::new(), Vec::new()),
             instance,
             layout_digest,
-            stamps,
-            stamped: HashMap::new(),
-            scratch,
-            digests,
         };
         worker.serve_stock_decodes();
         Ok(worker)
@@ -344,7 +319,7 @@ impl<T: Transport> PullWorker<T> {
     }
     /// The port this rank's listener is bound to.
     pub fn listener_port(&self) -> Option<u16> {
-        self.listener.as_ref().map(Listener::port)
+        self.serving.listener.as_ref().map(Listener::port)
     }
     /// The transport (for inspection).
     pub fn transport(&self) -> &T {
@@ -369,11 +344,11 @@ impl<T: Transport> PullWorker<T> {
     /// Handshake threads not yet joined: those still running, and any that ended since the
     /// last handshake started or answered (tests: flat however many handshakes ran).
     pub fn handshake_threads(&self) -> usize {
-        self.threads.len()
+        self.handshakes.threads.len()
     }
     /// Notifications that were not kvxfer pull messages (dropped and counted).
     pub fn unknown_notifications(&self) -> u64 {
-        self.unknown_notifications
+        self.serving.unknown_notifications
     }
     /// Metrics since the last call (reset on read).
     pub fn take_metrics(&mut self) -> PullMetrics {
@@ -418,7 +393,7 @@ impl<T: Transport> PullWorker<T> {
         // One clock read per phase boundary: this runs every engine step.
         let mut t = std::time::Instant::now();
         if !self.shut_down {
-            while let Ok(outcome) = self.outcomes.1.try_recv() {
+            while let Ok(outcome) = self.handshakes.outcomes.1.try_recv() {
                 self.on_handshake(outcome);
             }
             t = lap(t, "handshake outcomes");
@@ -438,7 +413,7 @@ impl<T: Transport> PullWorker<T> {
         lap(t, "stamps");
         let (recving, failed) = self.book.take_finished();
         Finished {
-            sending: std::mem::take(&mut self.sending),
+            sending: std::mem::take(&mut self.serving.sending),
             recving,
             failed,
         }
@@ -462,7 +437,7 @@ impl<T: Transport> PullWorker<T> {
     /// Loads or holds this worker still waits for.
     fn outstanding(&self) -> bool {
         !self.shut_down
-            && (self.book.loading() > 0 || self.book.any_queued() || self.holds.held() > 0)
+            && (self.book.loading() > 0 || self.book.any_queued() || self.serving.holds.held() > 0)
     }
     /// Releases every transfer, peer, listener and registration. Idempotent.
     pub fn shutdown(&mut self) {
@@ -480,22 +455,22 @@ impl<T: Transport> PullWorker<T> {
             }
         }
         // No hold outlives the worker: decodes still reading find their slots released.
-        for (_, stamp) in self.stamped.drain() {
-            self.stamps.release(stamp);
+        for (_, stamp) in self.serving.stamped.drain() {
+            self.serving.stamps.release(stamp);
         }
         for conn in self.book.drain_connections() {
             for r in conn.ranks.into_values() {
                 self.forget_rank(&r);
             }
         }
-        self.listener.take();
+        self.serving.listener.take();
         // Handshake threads end within their timeouts.
-        for t in self.threads.drain(..) {
+        for t in self.handshakes.threads.drain(..) {
             let _ = t.join();
         }
         self.registrations.clear();
         self.book.clear();
-        self.holds.clear();
+        self.serving.holds.clear();
     }
 }
 

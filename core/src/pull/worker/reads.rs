@@ -19,6 +19,15 @@ use crate::pull::stamps::{self, Held};
 use crate::tally::Tally;
 use crate::transport::{MemoryKind, Op, Transport, XferId, XferStatus};
 
+/// What planning a load's READs reuses, so that a step does not allocate: the plan, the
+/// range lists (local, remote) and the prepared lists' indices (local, remote).
+#[derive(Default)]
+pub(super) struct Buffers {
+    plan: TransferPlan,
+    ranges: Ranges,
+    indices: (Vec<u32>, Vec<u32>),
+}
+
 impl<T: Transport> PullWorker<T> {
     pub(super) fn issue(&mut self, req: RecvRequest) {
         if let Some(why) = self.expired_at_prefill(&req) {
@@ -144,7 +153,12 @@ impl<T: Transport> PullWorker<T> {
                 (LinkKind::Data(_), Some((lists, (remote, local)))) => {
                     let planning = self.clock.now();
                     lists
-                        .indices(remote, local, &mut self.indices.0, &mut self.indices.1)
+                        .indices(
+                            remote,
+                            local,
+                            &mut self.bufs.indices.0,
+                            &mut self.bufs.indices.1,
+                        )
                         .map_err(|e| (e, posted.clone()))?;
                     self.metrics
                         .plan_time
@@ -154,9 +168,9 @@ impl<T: Transport> PullWorker<T> {
                         .post_indexed(
                             Op::Read,
                             lists.local,
-                            &self.indices.0,
+                            &self.bufs.indices.0,
                             lists.remote,
-                            &self.indices.1,
+                            &self.bufs.indices.1,
                             data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
@@ -170,7 +184,7 @@ impl<T: Transport> PullWorker<T> {
                         .tally(pairs.saturating_mul(lists.raw_per_block));
                     self.metrics
                         .descriptors_posted
-                        .tally(self.indices.0.len() as u64);
+                        .tally(self.bufs.indices.0.len() as u64);
                     Some(x)
                 }
                 (LinkKind::Data(slice), None) if !pairs.is_empty() || (resized && moves) => {
@@ -181,8 +195,8 @@ impl<T: Transport> PullWorker<T> {
                             &self.cache,
                             slice,
                             req,
-                            &mut self.plan,
-                            &mut self.ranges,
+                            &mut self.bufs.plan,
+                            &mut self.bufs.ranges,
                         )
                     } else {
                         plan_read(
@@ -190,8 +204,8 @@ impl<T: Transport> PullWorker<T> {
                             &self.cache,
                             slice,
                             &pairs,
-                            &mut self.plan,
-                            &mut self.ranges,
+                            &mut self.bufs.plan,
+                            &mut self.bufs.ranges,
                         )
                     }
                     .map_err(|e| (e, posted.clone()))?;
@@ -205,8 +219,8 @@ impl<T: Transport> PullWorker<T> {
                             Op::Read,
                             rank.peer,
                             kinds,
-                            &self.ranges.0,
-                            &self.ranges.1,
+                            &self.bufs.ranges.0,
+                            &self.bufs.ranges.1,
                             data_note,
                         )
                         .map_err(|e| (e.to_string(), posted.clone()))?;
@@ -214,7 +228,7 @@ impl<T: Transport> PullWorker<T> {
                     self.metrics.descriptors_raw.tally(planned.raw);
                     self.metrics
                         .descriptors_posted
-                        .tally(self.ranges.0.len() as u64);
+                        .tally(self.bufs.ranges.0.len() as u64);
                     Some(x)
                 }
                 _ => {

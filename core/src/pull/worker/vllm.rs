@@ -20,7 +20,7 @@ impl<T: Transport> PullWorker<T> {
     /// Serves stock vLLM decodes from this rank's listener where the transport can hand
     /// them its native metadata (NIXL); otherwise their requests are refused.
     pub(super) fn serve_stock_decodes(&self) {
-        let (Some(compat), Some(listener)) = (&self.config.vllm, &self.listener) else {
+        let (Some(compat), Some(listener)) = (&self.config.vllm, &self.serving.listener) else {
             return;
         };
         if !compat.serve_decodes {
