@@ -21,13 +21,13 @@ saved and paid from 64 tokens on (docs/vllm.md).
 Operators switch to it with ``kv_connector: KvxferPushConnector`` (module ``kvxfer.vllm``);
 ``kv_connector_extra_config`` takes the pull connector's ``transport``, ``ucx_library``,
 ``side_channel_host`` and ``side_channel_port`` (the prefill's registry: what a router
-passes to the decode as ``remote_host`` / ``remote_port``), plus ``bootstrap_timeout`` and
-``waiting_timeout`` (seconds), ``layerwise`` and ``layerwise_min_tokens``; any other key is
-refused at start-up, naming it (kvxfer-core's ``options`` defines each key). A router
-posts the decode first with ``{"do_remote_prefill": true, "remote_host", "remote_port",
-...}`` and then the prefill with ``{"do_remote_decode":
-true}``, under the same request id (as for NixlPushConnector): both ends name the room
-after it, without vLLM's random ``-<8 hex>`` suffix.
+passes to the decode as ``remote_host`` / ``remote_port``) and ``idle_wait``, plus
+``bootstrap_timeout`` and ``waiting_timeout`` (seconds), ``layerwise`` and
+``layerwise_min_tokens``; any other key is refused at start-up, naming it (kvxfer-core's
+``options`` defines each key). A router posts the decode first with
+``{"do_remote_prefill": true, "remote_host", "remote_port", ...}`` and then the prefill
+with ``{"do_remote_decode": true}``, under the same request id (as for NixlPushConnector):
+both ends name the room after it, without vLLM's random ``-<8 hex>`` suffix.
 
 Supported today: dense models, and hybrid and sliding-window models (full and
 sliding-window attention layers, or Mamba layers beside attention layers, in several KV
