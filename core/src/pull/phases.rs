@@ -277,20 +277,28 @@ impl<V: Ranked, S, D> Phases<V, S, D> {
         self.fail(reason);
     }
 
+    /// Where a phase's posted READs land, if any were posted: with the scratch short,
+    /// none (tried again at the next poll); a failure part-way is heard and counted.
+    fn landing<P>(&mut self, posted: Posted<P>) -> Option<P> {
+        match posted {
+            Posted::All(landing) => Some(landing),
+            Posted::Short => {
+                self.later = true;
+                None
+            }
+            Posted::Failed(landing, why) => {
+                self.counts.push(Counted::FailedSetup);
+                self.fail(why);
+                Some(landing)
+            }
+        }
+    }
+
     /// How posting [`Next::ReadStamps`] went: the slots of the READs posted, in the order
     /// of [`Phases::pending`].
     pub fn stamps_posted(&mut self, posted: Posted<Vec<S>>) {
-        let slots = match posted {
-            Posted::All(slots) => slots,
-            Posted::Short => {
-                self.later = true;
-                return;
-            }
-            Posted::Failed(slots, why) => {
-                self.counts.push(Counted::FailedSetup);
-                self.fail(why);
-                slots
-            }
+        let Some(slots) = self.landing(posted) else {
+            return;
         };
         let n = slots.len().min(self.pending.len());
         let ranks = self.pending.drain(..n);
@@ -330,17 +338,8 @@ impl<V: Ranked, S, D> Phases<V, S, D> {
 
     /// How posting [`Next::ReadDigests`] went.
     pub fn digests_posted(&mut self, posted: Posted<D>) {
-        let landed = match posted {
-            Posted::All(landed) => landed,
-            Posted::Short => {
-                self.later = true;
-                return;
-            }
-            Posted::Failed(landed, why) => {
-                self.counts.push(Counted::FailedSetup);
-                self.fail(why);
-                landed
-            }
+        let Some(landed) = self.landing(posted) else {
+            return;
         };
         self.digests_read = true;
         self.stage = Stage::Digests(landed);

@@ -226,9 +226,7 @@ impl<T: Transport> PullWorker<T> {
                         .map_err(|e| (e.to_string(), posted.clone()))?;
                     self.metrics.bytes.tally(planned.bytes);
                     self.metrics.descriptors_raw.tally(planned.raw);
-                    self.metrics
-                        .descriptors_posted
-                        .tally(self.bufs.ranges.0.len() as u64);
+                    self.metrics.descriptors_posted.tally(planned.descriptors);
                     Some(x)
                 }
                 _ => {
