@@ -45,11 +45,7 @@ impl<T: Transport> PullWorker<T> {
                 if xfers.is_empty() {
                     self.book.done(&req);
                 } else {
-                    let posted = self.clock.now();
-                    let xfers = xfers.into_iter().map(|x| (x, posted)).collect();
-                    let digests = self.digests.is_some();
-                    self.book
-                        .start(Load::new(req, xfers, verify, digests, None));
+                    self.start(req, xfers, verify, None);
                 }
             }
             Err((reason, posted)) => {
@@ -60,15 +56,26 @@ impl<T: Transport> PullWorker<T> {
                 } else {
                     // READs posted before the failure may still land in the blocks: the load
                     // is reported failed once they ended (poll_loads), never before.
-                    let now = self.clock.now();
-                    let xfers = posted.into_iter().map(|x| (x, now)).collect();
-                    let digests = self.digests.is_some();
-                    self.book
-                        .start(Load::new(req, xfers, Vec::new(), digests, Some(reason)));
+                    self.start(req, posted, Vec::new(), Some(reason));
                 }
                 self.drop_if_peer_failed(&engine_id);
             }
         }
+    }
+    /// Puts a load whose READs were posted now in flight: `stamped` the ranks whose stamps
+    /// are read after them, `failed` why it already failed.
+    fn start(
+        &mut self,
+        req: RecvRequest,
+        xfers: Vec<XferId>,
+        stamped: Vec<Verify>,
+        failed: Option<String>,
+    ) {
+        let now = self.clock.now();
+        let xfers = xfers.into_iter().map(|x| (x, now)).collect();
+        let digests = self.digests.is_some();
+        self.book
+            .start(Load::new(req, xfers, stamped, digests, failed));
     }
     /// Posts one READ per data link (and notifications for the rest); on error returns
     /// the reason and the transfers already posted (to be released once they end). A data
